@@ -1,0 +1,72 @@
+"""kiln-core: the IR, op registry, autodiff, planners, NumPy backend and plugin manager of kiln."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kiln.core._errors import (
+    AutodiffError,
+    Diagnostic,
+    DimError,
+    IRError,
+    KilnError,
+    OpError,
+    PluginError,
+)
+from kiln.core._hookspecs import hookimpl
+from kiln.core._ir import TensorType
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, OpRegistry, Sample, no_gradient
+from kiln.core._plugins import get_registry, list_plugins, plugin_manager, register_plugin, reset_plugins
+from kiln.core._registry import NamedRegistry, PluginInfo
+
+try:
+    __version__ = version("kiln-core")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+
+def op_registry() -> OpRegistry:
+    """The process-wide op registry (every plugin's ``kiln_register_ops`` plus run-time ops)."""
+    from kiln.core._oplib import op_registry as _op_registry
+
+    return _op_registry()
+
+
+def register_op(opdef: OpDef) -> OpDef:
+    """Register an op at run time (schema, shape rule, kernel and backward rule in one ``OpDef``)."""
+    return op_registry().register_op(opdef)
+
+
+def register_backward_rule(op_type: str, rule, *, replace: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Attach a backward rule to a registered op; see :class:`BackwardContext`."""
+    op_registry().set_backward(op_type, rule, replace=replace)
+
+
+__all__ = [
+    "AttrSpec",
+    "AutodiffError",
+    "BackwardContext",
+    "Cost",
+    "Diagnostic",
+    "DimError",
+    "IRError",
+    "InferContext",
+    "KilnError",
+    "NamedRegistry",
+    "OpDef",
+    "OpError",
+    "OpRegistry",
+    "PluginError",
+    "PluginInfo",
+    "Sample",
+    "TensorType",
+    "__version__",
+    "get_registry",
+    "hookimpl",
+    "list_plugins",
+    "no_gradient",
+    "op_registry",
+    "plugin_manager",
+    "register_backward_rule",
+    "register_op",
+    "register_plugin",
+    "reset_plugins",
+]

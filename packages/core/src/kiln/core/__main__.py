@@ -1,0 +1,5 @@
+import sys
+
+from kiln.core._cli import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""Hook specifications: the contract between kiln-core and its plugins.
+
+A plugin is a module (or any object) whose functions are marked with ``@kiln.core.hookimpl`` and
+are named after the hooks below; an implementation may accept any subset of the hook's parameters,
+by name. Plugins are found through the entry-point group ``kiln``. Contribution hooks
+(``kiln_register_*``, ``kiln_cli_commands``) are called once per plugin, in registration order
+(core first); every entry a plugin adds is recorded with the plugin and distribution that supplied
+it, and a name two plugins both claim raises :class:`kiln.core.PluginError` naming both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kiln.core._registry import NamedRegistry
+
+__all__ = ["hookimpl", "hookspec"]
+
+hookspec = pluggy.HookspecMarker("kiln")
+hookimpl = pluggy.HookimplMarker("kiln")
+
+
+@hookspec
+def kiln_register_ops(registry: NamedRegistry[Any]) -> None:
+    """Register op types, each with its schema, shape rule, reference kernel and backward rule.
+
+    :param registry: The op registry; call ``registry.register_op(opdef)`` once per op type.
+        An op type another plugin already registered raises :class:`kiln.core.PluginError`.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_register_backends(registry: NamedRegistry[Any]) -> None:
+    """Register backends, the executors of a compiled Program (``numpy``, ``cuda``, ...).
+
+    :param registry: The backend registry; call ``registry.register(name, backend)``.
+        A backend runs a Program as planned; it does not re-plan it.
+
+    Every implementation is called; return values are ignored. A plugin whose backend needs
+    hardware or heavy libraries should check for them and register nothing when they are absent.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_register_graph_passes(registry: NamedRegistry[Any]) -> None:
+    """Register graph passes: pure functions from an IR graph to a new IR graph.
+
+    :param registry: The graph-pass registry; call ``registry.register(name, pass_fn)``.
+        Passes are applied by name (e.g. LoRA injection, tensor-parallel sharding), never
+        implicitly, and must not mutate their input.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kiln_plan_recompute(
+    graph: Any, layout: Any, mode: str, policy: str, budget: int | None, options: Any
+) -> Any:
+    """Decide which forward activations to save and which to recompute in the backward pass.
+
+    :param graph: The forward graph to plan for.
+    :param layout: The graph's layout: its repeated blocks and the activation-slot hints the
+        model declared.
+    :param mode: The planning mode: ``"dsl"`` (from activation-slot hints), ``"auto"`` (under
+        a memory budget) or ``"block"`` (keep only block inputs).
+    :param policy: When recompute applies for the training mode: ``"always"``,
+        ``"lora_only"``, ``"fft_only"`` or ``"never"``.
+    :param budget: The activation memory budget in bytes, or None for no limit.
+    :param options: The remaining planner options.
+
+    Return a ``kiln.core.recompute.RecomputePlan`` to replace the built-in planner, or None to
+    defer to the next implementation. Stops at the first non-None result (``firstresult``);
+    when every implementation defers, the built-in planner decides.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_register_weight_formats(registry: NamedRegistry[Any]) -> None:
+    """Register weight formats that checkpoints can be read from and written to.
+
+    :param registry: The weight-format registry; call ``registry.register(name, fmt)``.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_register_adapters(registry: NamedRegistry[Any]) -> None:
+    """Register parameter-efficient adapters (such as LoRA) that are applied as graph passes.
+
+    :param registry: The adapter registry; call ``registry.register(name, adapter)``.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_register_communicators(registry: NamedRegistry[Any]) -> None:
+    """Register communicators, the collective operations used for distributed training.
+
+    :param registry: The communicator registry; call ``registry.register(name, comm)``.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kiln_cli_commands(register: Callable[..., None]) -> None:
+    """Add subcommands to the ``kiln`` command line.
+
+    :param register: Call ``register(name, *, help, configure, run)`` once per subcommand:
+        ``help`` is the one-line description, ``configure(parser)`` adds arguments to the
+        subcommand's ``argparse.ArgumentParser`` (may be None) and ``run(args)`` executes it and
+        returns the exit code (None counts as 0). A ``KilnError`` raised by ``run`` is printed as
+        ``kiln: error: ...`` and exits with code 2.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.1
+    """
