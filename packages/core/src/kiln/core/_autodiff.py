@@ -74,6 +74,9 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     p = opts.grad_prefix
 
     # Step 1: producers and types.
+    for op in graph.ops:
+        if op.type != "call":
+            registry.get_op(op.type)  # unknown ops fail here, with E014
     producers = graph.producers()
     types = infer_types(graph, registry)
     for op in graph.ops:

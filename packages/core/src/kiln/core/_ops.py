@@ -28,6 +28,14 @@ class _Required:
 
 
 REQUIRED: Any = _Required()
+
+
+def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(items)
+
+
+def _frozenset(items: Iterable[int]) -> frozenset[int]:
+    return frozenset(items)
 ATTR_KINDS = ("bool", "int", "float", "str", "dim", "dims", "dtype", "ints", "floats", "any")
 
 
@@ -74,7 +82,7 @@ class AttrSpec:
 class Sample:
     """Inputs and attributes on which the generic gradient check exercises an op (float64 arrays)."""
 
-    inputs: tuple[np.ndarray | None, ...] = field(converter=tuple)
+    inputs: tuple[np.ndarray | None, ...] = field(converter=_tuple)
     attrs: Mapping[str, Any] = field(factory=dict)
     #: indices of inputs to check gradients for (default: every float input)
     check: tuple[int, ...] | None = None
@@ -119,18 +127,18 @@ class OpDef:
     ``"*xs"`` a variadic last input or output. ``backward`` is ``None`` when no rule exists."""
 
     name: str
-    inputs: tuple[str, ...] = field(converter=tuple)
-    outputs: tuple[str, ...] = field(converter=tuple)
+    inputs: tuple[str, ...] = field(converter=_tuple)
+    outputs: tuple[str, ...] = field(converter=_tuple)
     kernel: Callable[..., Any]
     infer: Callable[[InferContext], Sequence[TensorType]]
     backward: Callable[[BackwardContext], Sequence[str | None]] | None = None
-    attrs: tuple[AttrSpec, ...] = field(default=(), converter=tuple)
+    attrs: tuple[AttrSpec, ...] = field(default=(), converter=_tuple)
     samples: Callable[[np.random.Generator], Iterable[Sample]] | None = None
     cost: Callable[[Sequence[tuple[int, ...]], Mapping[str, Any]], Cost] | None = None
     random: bool = False
     collective: bool = False
     #: indices of inputs that never receive a gradient (indices, masks), whatever their dtype
-    nondiff_inputs: frozenset[int] = field(default=frozenset(), converter=frozenset)
+    nondiff_inputs: frozenset[int] = field(default=frozenset(), converter=_frozenset)
     doc: str = ""
 
     @property
@@ -341,7 +349,7 @@ def infer_types(graph: Graph, registry: OpRegistry, *, strict: bool = False) -> 
         if op.type not in registry:
             continue
         opdef = registry.get_op(op.type)
-        ins = [types.get(i.removeprefix("saved.")) if i else None for i in op.inputs]
+        ins = [types.get(i, types.get(i.removeprefix("saved."))) if i else None for i in op.inputs]
         if any(t is None for t, i in zip(ins, op.inputs, strict=True) if i):
             continue
         try:

@@ -1,0 +1,299 @@
+"""Token embedding and the token losses: embedding, cross_entropy, fused_lm_head_loss."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.core._dims import DimExpr, parse_dim
+from kiln.core._errors import OpError
+from kiln.core._ir import TensorType, is_float
+from kiln.core._oplib._common import check_same, float_dtype_of, randn
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+
+
+def _check_ids(op: str, ids: np.ndarray, n: int, ignore: int | None = None) -> None:
+    live = ids if ignore is None else ids[ids != ignore]
+    bad = live[(live < 0) | (live >= n)]
+    if bad.size:
+        raise OpError(f"op {op!r}: index {bad[0]} is outside [0, {n})", op=op)
+
+
+def _int_input(ctx: InferContext, i: int, what: str) -> None:
+    if is_float(ctx.dtype(i)):
+        raise ctx.fail(f"{what} must be an integer tensor, found {ctx.dtype(i)}")
+
+
+# --- embedding -----------------------------------------------------------------------------------
+
+
+def _embedding(ids: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    _check_ids("embedding", ids, weight.shape[0])
+    out: np.ndarray = weight[ids]
+    return out
+
+
+def _embedding_infer(ctx: InferContext) -> list[TensorType]:
+    _int_input(ctx, 0, "token_ids")
+    w = ctx.shape(1)
+    if len(w) != 2:
+        raise ctx.fail(f"weight must be [num_embeddings, C], found rank {len(w)}")
+    return [TensorType((*ctx.shape(0), w[1]), ctx.dtype(1))]
+
+
+def _embedding_backward(d_out: np.ndarray, ids: np.ndarray, *, num_embeddings: int) -> np.ndarray:
+    _check_ids("embedding_backward", ids, num_embeddings)
+    dw = np.zeros((num_embeddings, d_out.shape[-1]), d_out.dtype)
+    np.add.at(dw, ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))  # repeated ids accumulate
+    return dw
+
+
+def _embedding_backward_infer(ctx: InferContext) -> list[TensorType]:
+    _int_input(ctx, 1, "token_ids")
+    d = ctx.shape(0)
+    check_same(ctx, d[:-1], ctx.shape(1), "d_out's leading dims differ from token_ids")
+    return [TensorType((parse_dim(ctx.attrs["num_embeddings"]), d[-1]), ctx.dtype(0))]
+
+
+def _embedding_rule(ctx: BackwardContext) -> list[str | None]:
+    if not ctx.needs_grad(1):
+        return [None, None]
+    return [None, ctx.emit("embedding_backward", ctx.d_out, ctx.saved(0), num_embeddings=ctx.shape_of(1)[0])]
+
+
+def _embedding_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    yield Sample((np.array([[1, 4, 1, 0, 6], [4, 4, 2, 1, 3]]), randn(rng, 7, 4)), {})
+    yield Sample((np.array([2, 0, 2]), randn(rng, 3, 5)), {})
+    yield Sample((rng.integers(0, 5, (2, 2, 3)), randn(rng, 5, 3)), {})
+
+
+# --- log-sum-exp over vocabulary chunks ----------------------------------------------------------
+# Targets equal to ignore_index become -1, which no chunk contains; their loss and gradient are 0.
+
+
+def _targets(targets: np.ndarray, v: int, ignore_index: int, op: str) -> np.ndarray:
+    _check_ids(op, targets, v, ignore_index)
+    return np.where(targets != ignore_index, targets, -1)
+
+
+def _rows_in(t: np.ndarray, v0: int, v1: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.flatnonzero((t >= v0) & (t < v1))
+    return rows, t[rows] - v0
+
+
+def _streaming_loss(n: int, v: int, chunk: int, logits: Callable[[int, int], np.ndarray], t: np.ndarray,
+                    dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(loss, lse) with an online log-sum-exp: only one [n, chunk] block of logits lives at a time."""
+    m = np.full(n, -np.inf, dtype)  # running max
+    s = np.zeros(n, dtype)  # running sum of exp(logit - m)
+    target = np.zeros(n, dtype)
+    for v0 in range(0, v, chunk):
+        z = logits(v0, min(v0 + chunk, v))
+        rows, cols = _rows_in(t, v0, v0 + z.shape[1])
+        target[rows] = z[rows, cols]
+        m_new = np.maximum(m, z.max(axis=1))
+        z -= m_new[:, None]
+        np.exp(z, out=z)
+        s = s * np.exp(m - m_new) + z.sum(axis=1)
+        m = m_new
+        del z  # before the next chunk's logits are allocated
+    lse = m + np.log(s)
+    return np.where(t >= 0, lse - target, 0).astype(dtype), lse
+
+
+def _logits_grad(z: np.ndarray, v0: int, lse: np.ndarray, t: np.ndarray, dl: np.ndarray,
+                 dlse: np.ndarray) -> np.ndarray:
+    """In place: logits z of columns v0: become d(sum loss*dl + lse*dlse)/dz = p*(dl + dlse) - onehot*dl."""
+    z -= lse[:, None]
+    np.exp(z, out=z)
+    z *= (dl + dlse)[:, None]
+    rows, cols = _rows_in(t, v0, v0 + z.shape[1])
+    z[rows, cols] -= dl[rows]
+    return z
+
+
+def _cotangents(d_loss: np.ndarray | None, d_lse: np.ndarray | None, t: np.ndarray,
+                dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    zero = np.zeros(t.shape, dtype)
+    dl = zero if d_loss is None else np.where(t >= 0, d_loss, 0).astype(dtype)
+    return dl, zero if d_lse is None else d_lse.astype(dtype)
+
+
+# --- cross_entropy -------------------------------------------------------------------------------
+
+
+def _cross_entropy(logits: np.ndarray, targets: np.ndarray, *, ignore_index: int) -> tuple[np.ndarray, ...]:
+    n, v = logits.shape
+    t = _targets(targets, v, ignore_index, "cross_entropy")
+    return _streaming_loss(n, v, max(v, 1), lambda a, b: logits[:, a:b].copy(), t, logits.dtype)
+
+
+def _cross_entropy_backward(d_loss: np.ndarray | None, logits: np.ndarray, targets: np.ndarray,
+                            lse: np.ndarray, d_lse: np.ndarray | None, *, ignore_index: int) -> np.ndarray:
+    t = _targets(targets, logits.shape[1], ignore_index, "cross_entropy_backward")
+    dl, dlse = _cotangents(d_loss, d_lse, t, logits.dtype)
+    return _logits_grad(logits.copy(), 0, lse, t, dl, dlse)
+
+
+def _check_targets(ctx: InferContext, i: int, rows: DimExpr) -> None:
+    _int_input(ctx, i, "targets")
+    check_same(ctx, ctx.shape(i), (rows,), "targets must be [N], one per row")
+
+
+def _cross_entropy_infer(ctx: InferContext) -> list[TensorType]:
+    logits = ctx.shape(0)
+    if len(logits) != 2:
+        raise ctx.fail(f"logits must be [N, V], found rank {len(logits)}")
+    _check_targets(ctx, 1, logits[0])
+    return [TensorType(logits[:1], "fp32")] * 2
+
+
+def _cross_entropy_rule(ctx: BackwardContext) -> list[str | None]:
+    d_loss, d_lse = ctx.d_outputs
+    if not ctx.needs_grad(0) or d_loss is d_lse is None:
+        return [None, None]
+    return [ctx.emit("cross_entropy_backward", d_loss, ctx.saved(0), ctx.saved(1), ctx.saved_output(1), d_lse,
+                     ignore_index=ctx.attrs["ignore_index"]), None]
+
+
+def _cross_entropy_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    yield Sample((randn(rng, 5, 7), np.array([3, -100, 0, 6, 3])), {})
+    yield Sample((randn(rng, 4, 6), np.array([2, 5, 2, 1])), {"ignore_index": 2})
+
+
+# --- fused_lm_head_loss --------------------------------------------------------------------------
+
+
+def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None) -> np.ndarray:
+    z: np.ndarray = x @ w.T
+    if softcap is not None:
+        z /= softcap
+        np.tanh(z, out=z)
+        z *= softcap
+    return z
+
+
+def _fused_lm_head_loss(x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *, ignore_index: int,
+                        chunk_size: int, softcap: float | None) -> tuple[np.ndarray, ...]:
+    dtype = float_dtype_of(x, weight)
+    x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
+    t = _targets(targets, weight.shape[0], ignore_index, "fused_lm_head_loss")
+    return _streaming_loss(x.shape[0], weight.shape[0], chunk_size,
+                           lambda a, b: _chunk_logits(x, weight[a:b], softcap), t, dtype)
+
+
+def _fused_lm_head_loss_backward(d_loss: np.ndarray | None, x: np.ndarray, weight: np.ndarray,
+                                 targets: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, *,
+                                 ignore_index: int, chunk_size: int,
+                                 softcap: float | None) -> tuple[np.ndarray, np.ndarray]:
+    dtype = float_dtype_of(x, weight)
+    x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
+    t = _targets(targets, weight.shape[0], ignore_index, "fused_lm_head_loss_backward")
+    dl, dlse = _cotangents(d_loss, d_lse, t, dtype)
+    dx, dw = np.zeros(x.shape, dtype), np.empty(weight.shape, dtype)
+    for v0 in range(0, weight.shape[0], chunk_size):
+        w = weight[v0:v0 + chunk_size]
+        if softcap is None:
+            g = _logits_grad(x @ w.T, v0, lse, t, dl, dlse)
+        else:  # capped = softcap * tanh(raw / softcap), so d raw = d capped * (1 - tanh^2)
+            th = x @ w.T
+            th /= softcap
+            np.tanh(th, out=th)
+            g = _logits_grad(th * softcap, v0, lse, t, dl, dlse)
+            np.square(th, out=th)
+            g *= np.subtract(1, th, out=th)
+        dx += g @ w
+        np.matmul(g.T, x, out=dw[v0:v0 + chunk_size])
+        del g  # before the next chunk's logits are allocated
+    return dx, dw
+
+
+def _fused_infer(ctx: InferContext) -> list[TensorType]:
+    x, w = ctx.shape(0), ctx.shape(1)
+    if len(x) != 2 or len(w) != 2:
+        raise ctx.fail(f"x must be [N, C] and weight [V, C], found ranks {len(x)} and {len(w)}")
+    check_same(ctx, x[1:], w[1:], "x and weight differ in C")
+    _check_targets(ctx, 2, x[0])
+    if ctx.attrs["chunk_size"] < 1:
+        raise ctx.fail(f"chunk_size must be positive, found {ctx.attrs['chunk_size']}")
+    return [TensorType(x[:1], "fp32")] * 2
+
+
+def _fused_backward_infer(ctx: InferContext) -> list[TensorType]:
+    (loss, _), x = _fused_infer(InferContext(ctx.op, ctx.inputs[1:4], ctx.attrs)), ctx.shape(1)
+    check_same(ctx, ctx.shape(4), loss.shape, "lse must be [N]")
+    return [TensorType(x, ctx.dtype(1)), TensorType(ctx.shape(2), ctx.dtype(2))]
+
+
+def _fused_rule(ctx: BackwardContext) -> list[str | None]:
+    d_loss, d_lse = ctx.d_outputs
+    if not (ctx.needs_grad(0) or ctx.needs_grad(1)) or d_loss is d_lse is None:
+        return [None, None, None]
+    dx, dw = ctx.emit("fused_lm_head_loss_backward", d_loss, ctx.saved(0), ctx.saved(1), ctx.saved(2),
+                      ctx.saved_output(1), d_lse, **{k: ctx.attrs[k] for k in ("ignore_index", "chunk_size",
+                                                                                "softcap")})
+    return [dx if ctx.needs_grad(0) else None, dw if ctx.needs_grad(1) else None, None]
+
+
+def _fused_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    targets = np.array([3, -100, 10, 0, 7, -100])
+    yield Sample((randn(rng, 6, 4), randn(rng, 11, 4), targets), {"chunk_size": 4})  # chunks 4, 4, 3
+    yield Sample((randn(rng, 6, 4), randn(rng, 11, 4), targets), {"chunk_size": 16})
+    yield Sample((randn(rng, 6, 4), randn(rng, 11, 4), targets), {"chunk_size": 1})
+    yield Sample((randn(rng, 6, 4), randn(rng, 11, 4), targets), {"chunk_size": 5, "softcap": 2.0})
+    yield Sample((randn(rng, 5, 3), randn(rng, 9, 3), np.array([0, 8, 0, 4, 2])), {"chunk_size": 4,
+                                                                                    "ignore_index": 0})
+
+
+def _fused_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any], backward: bool = False) -> Cost:
+    x, w = shapes[1:3] if backward else shapes[:2]
+    n, (v, c) = x[0], w
+    # the backward recomputes each chunk's logits and runs two more products over it
+    flops = (6.0 if backward else 2.0) * n * v * c + 4.0 * n * v
+    return Cost(flops=flops, bytes=4.0 * (2 if backward else 1) * (n * c + v * c) + 16.0 * n)
+
+
+_IGNORE = AttrSpec("ignore_index", "int", -100)
+_FUSED_ATTRS = (_IGNORE, AttrSpec("chunk_size", "int", 4096), AttrSpec("softcap", "float", None))
+
+OPS = [
+    OpDef(
+        "embedding", ("token_ids", "weight"), ("out",), _embedding, _embedding_infer,
+        backward=_embedding_rule, samples=_embedding_samples, nondiff_inputs={0},
+        cost=lambda s, a: Cost(bytes=8.0 * math.prod(s[0]) * s[1][1]),
+        doc="out[..., :] = weight[token_ids[...], :].",
+    ),
+    OpDef(
+        "embedding_backward", ("d_out", "token_ids"), ("d_weight",), _embedding_backward,
+        _embedding_backward_infer, attrs=(AttrSpec("num_embeddings", "dim"),), nondiff_inputs={1},
+        cost=lambda s, a: Cost(flops=float(math.prod(s[0])), bytes=8.0 * math.prod(s[0])),
+        doc="d_weight[i] = sum of d_out rows whose token id is i (scatter-add).",
+    ),
+    OpDef(
+        "cross_entropy", ("logits", "targets"), ("loss", "lse"), _cross_entropy, _cross_entropy_infer,
+        backward=_cross_entropy_rule, attrs=(_IGNORE,), samples=_cross_entropy_samples, nondiff_inputs={1},
+        cost=lambda s, a: Cost(flops=5.0 * math.prod(s[0]), bytes=4.0 * math.prod(s[0])),
+        doc="Per row: loss = logsumexp(logits) - logits[target] (0 where target == ignore_index), and lse.",
+    ),
+    OpDef(
+        "cross_entropy_backward", ("d_loss?", "logits", "targets", "lse", "d_lse?"), ("d_logits",),
+        _cross_entropy_backward, lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(1))], attrs=(_IGNORE,),
+        nondiff_inputs={2}, cost=lambda s, a: Cost(flops=5.0 * math.prod(s[1]), bytes=8.0 * math.prod(s[1])),
+        doc="d_logits = softmax(logits) * (d_loss + d_lse) - onehot(target) * d_loss (d_loss 0 if ignored).",
+    ),
+    OpDef(
+        "fused_lm_head_loss", ("x", "weight", "targets"), ("loss", "lse"), _fused_lm_head_loss, _fused_infer,
+        backward=_fused_rule, attrs=_FUSED_ATTRS, samples=_fused_samples, nondiff_inputs={2},
+        cost=_fused_cost,
+        doc="cross_entropy(x @ weight^T, targets) over vocabulary chunks; logits are never materialised.",
+    ),
+    OpDef(
+        "fused_lm_head_loss_backward", ("d_loss?", "x", "weight", "targets", "lse", "d_lse?"),
+        ("d_x", "d_weight"), _fused_lm_head_loss_backward, _fused_backward_infer, attrs=_FUSED_ATTRS,
+        nondiff_inputs={3}, cost=lambda s, a: _fused_cost(s, a, backward=True),
+        doc="(d_x, d_weight) of fused_lm_head_loss, recomputing each vocabulary chunk's logits.",
+    ),
+]

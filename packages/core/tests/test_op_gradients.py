@@ -1,0 +1,26 @@
+"""Every op with a backward rule, whoever registered it, against float64 finite differences."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.core import no_gradient, op_registry
+from kiln.core._gradcheck import check_op
+
+REGISTRY = op_registry()
+DIFFERENTIABLE = sorted(name for name, opdef in REGISTRY.items()
+                        if opdef.backward is not None and opdef.backward is not no_gradient)
+
+
+def test_the_registry_has_the_core_op_library() -> None:
+    for name in ("matmul", "rmsnorm", "flash_attention", "fused_lm_head_loss", "swiglu", "embedding"):
+        assert name in DIFFERENTIABLE, name
+
+
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_backward_rule_matches_finite_differences(name: str) -> None:
+    reports = check_op(REGISTRY[name], REGISTRY)
+    assert reports, f"{name}: its samples exercise no differentiable input"
+    worst = max(reports, key=lambda r: r.max_rel_error)
+    assert worst.max_rel_error <= 1e-6, worst
+
