@@ -1,0 +1,509 @@
+"""Attention: rope, qkv_qk_norm_rope, flash_attention (packed qkv), attention (separate q, k, v).
+
+Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
+
+* Layouts. ``rope`` takes ``x: [B, T, H * head_dim]`` (heads contiguous, as a projection makes
+  them). A packed ``qkv: [B, T, (Hq + 2 * Hkv) * D]`` holds the q heads, then the k heads, then the
+  v heads. ``attention`` takes ``q: [B, Tq, Hq, D]``, ``k``/``v: [B, Tk, Hkv, D]`` (HF's layout before
+  its transpose). ``lse`` is ``[B, Hq, Tq]``; rstd outputs are ``[B, T, H]``.
+* RoPE is ``rotate_half``: each head's first ``rotary_dim`` dims split into halves ``[x1 | x2]``
+  (pairs ``(i, i + rotary_dim / 2)``), ``out = x * cos + [-x2 | x1] * sin``; dims past
+  ``rotary_dim`` pass through. Angles are ``position * inv_freq`` with
+  ``inv_freq = 1 / theta ** (arange(0, rotary_dim, 2) / rotary_dim)``. A ``freqs`` table
+  ``[MaxSeq, rotary_dim // 2, 2]`` of (cos, sin) rows, indexed by position, replaces that formula
+  (scaled RoPE variants build their own table, attention scaling folded in). ``inverse=True``
+  negates the sine: the transpose of the rotation, which is rope's own backward.
+* Attention scores are ``(q @ k^T) * softmax_scale`` (default ``D ** -0.5``); query head ``h`` reads
+  kv head ``h // (Hq // Hkv)``. Query ``i`` sits at key position ``p = i + Tk - Tq`` (aligned to the
+  end of the keys, as flash-attn; ``p = i`` when ``Tq == Tk``). ``causal`` keeps keys ``j <= p``;
+  ``window_size = w`` keeps ``p - w < j`` (the HF mask ``kv_idx > q_idx - sliding_window``: ``w`` keys
+  including the query's own) and, when not causal, also ``j < p + w`` (flash-attn's
+  ``window_size=(w - 1, w - 1)``). A fully masked query row gives ``out = 0`` and ``lse = +inf`` (as
+  flash-attn), so the backward's ``exp(s - lse)`` is 0 there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.core._dims import Const, DimExpr, parse_dim, simplify
+from kiln.core._errors import OpError
+from kiln.core._ir import TensorType
+from kiln.core._oplib._common import check_same, randn
+from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+
+_ROPE_ATTRS = (
+    AttrSpec("rotary_dim", "dim", None),
+    AttrSpec("theta", "float", 10000.0),
+)
+_ATTN_ATTRS = (
+    AttrSpec("causal", "bool", True),
+    AttrSpec("softmax_scale", "float", None),
+    AttrSpec("window_size", "int", None),
+)
+_HEADS = (AttrSpec("Hq", "dim"), AttrSpec("Hkv", "dim"), AttrSpec("D", "dim"))
+
+
+def _dim(ctx: InferContext, name: str) -> DimExpr:
+    return parse_dim(ctx.attrs[name])
+
+
+def _const(d: DimExpr) -> int | None:
+    d = simplify(d)
+    return d.value if isinstance(d, Const) else None
+
+
+# --- rope ----------------------------------------------------------------------------------------
+
+
+def rope_tables(freqs: np.ndarray | None, position_ids: np.ndarray, rotary_dim: int, theta: float,
+                dtype: np.dtype, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, ``[*position_ids.shape, rotary_dim // 2]``, computed as HF's rotary embedding."""
+    pos = np.asarray(position_ids)
+    if freqs is not None:
+        if pos.size and (pos.min() < 0 or pos.max() >= freqs.shape[0]):
+            raise OpError(f"op {op!r}: position ids must lie in [0, {freqs.shape[0]}) to index the freqs "
+                          f"table, found [{pos.min()}, {pos.max()}]", op=op)
+        table = freqs[pos]
+        return table[..., 0].astype(dtype, copy=False), table[..., 1].astype(dtype, copy=False)
+    f = dtype.type
+    inv_freq = f(1) / (f(theta) ** (np.arange(0, rotary_dim, 2).astype(dtype) / f(rotary_dim)))
+    angle = pos.astype(dtype)[..., None] * inv_freq
+    return np.cos(angle), np.sin(angle)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """Rotate ``x: [B, T, H, D]`` with tables ``[T or B, T, rotary_dim // 2]``; returns a new array."""
+    rd = 2 * cos.shape[-1]
+    c = np.concatenate([cos, cos], axis=-1)[..., None, :]
+    s = np.concatenate([sin, sin], axis=-1)[..., None, :]
+    if inverse:
+        s = -s
+    xr = x[..., :rd]
+    rotated = np.concatenate([-xr[..., rd // 2:], xr[..., : rd // 2]], axis=-1)
+    out = x.copy()
+    out[..., :rd] = xr * c + rotated * s
+    return out
+
+
+def _rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
+    rd = head_dim if rotary_dim is None else rotary_dim
+    if rd % 2 or not 0 < rd <= head_dim:
+        raise OpError(f"op {op!r}: rotary_dim must be even and in (0, {head_dim}], found {rd}", op=op)
+    return rd
+
+
+def _rope(x: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, *, head_dim: int,
+          rotary_dim: int | None, theta: float, inverse: bool) -> np.ndarray:
+    b, t, f = x.shape
+    if f % head_dim:
+        raise OpError(f"op 'rope': last dim {f} is not a multiple of head_dim {head_dim}", op="rope")
+    rd = _rotary_dim(rotary_dim, head_dim, "rope")
+    cos, sin = rope_tables(freqs, position_ids, rd, theta, x.dtype, "rope")
+    return apply_rope(x.reshape(b, t, f // head_dim, head_dim), cos, sin, inverse).reshape(x.shape)
+
+
+def _check_rope_inputs(ctx: InferContext, x: int, freqs: int, pos: int, head_dim: DimExpr) -> None:
+    b, t = ctx.shape(x)[:2]
+    p = ctx.shape(pos)
+    if len(p) == 1:
+        check_same(ctx, p, (t,), "position_ids must be [T] or [B, T]")
+    else:
+        check_same(ctx, p, (b, t), "position_ids must be [T] or [B, T]")
+    rd = head_dim if ctx.attrs["rotary_dim"] is None else _dim(ctx, "rotary_dim")
+    rd_c, hd_c = _const(rd), _const(head_dim)
+    if rd_c is not None and (rd_c % 2 or rd_c <= 0 or (hd_c is not None and rd_c > hd_c)):
+        raise ctx.fail(f"rotary_dim must be even and in (0, head_dim = {head_dim}], found {rd}")
+    if ctx.inputs[freqs] is not None:
+        fr = ctx.shape(freqs)
+        if len(fr) != 3:
+            raise ctx.fail(f"freqs must be [MaxSeq, rotary_dim // 2, 2], found rank {len(fr)}")
+        check_same(ctx, fr[1:], (rd // 2, Const(2)), "freqs must be [MaxSeq, rotary_dim // 2, 2]")
+
+
+def _rope_infer(ctx: InferContext) -> list[TensorType]:
+    x = ctx.shape(0)
+    if len(x) != 3:
+        raise ctx.fail(f"x must be [B, T, H * head_dim], found rank {len(x)}")
+    hd = _dim(ctx, "head_dim")
+    rest = _const(x[2] % hd)
+    if rest:
+        raise ctx.fail(f"last dim {x[2]} is not a multiple of head_dim {hd}")
+    _check_rope_inputs(ctx, 0, 1, 2, hd)
+    return [TensorType(x, ctx.dtype(0))]
+
+
+def _rope_backward(ctx: BackwardContext) -> list[str | None]:
+    if ctx.d_outputs[0] is None or not ctx.needs_grad(0):
+        return [None, None, None]
+    attrs = {**ctx.attrs, "inverse": not ctx.attrs["inverse"]}
+    return [ctx.emit("rope", ctx.d_out, ctx.saved(1), ctx.saved(2), **attrs), None, None]
+
+
+def _rope_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    x = randn(rng, 2, 3, 8)
+    pos = np.array([0, 3, 5])
+    yield Sample((x, None, pos), {"head_dim": 4, "theta": 100.0})
+    yield Sample((x, None, pos), {"head_dim": 4, "theta": 100.0, "inverse": True})
+    yield Sample((x, None, rng.integers(0, 9, (2, 3))), {"head_dim": 4, "rotary_dim": 2, "theta": 10.0})
+    yield Sample((randn(rng, 2, 3, 12), randn(rng, 6, 2, 2), rng.integers(0, 6, (2, 3))), {"head_dim": 6,
+                                                                                          "rotary_dim": 4})
+
+
+def _rope_cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
+    n = float(np.prod(shapes[0]))
+    return Cost(flops=3.0 * n, bytes=8.0 * n)
+
+
+# --- qkv_qk_norm_rope ----------------------------------------------------------------------------
+
+
+def _split_qkv(qkv: np.ndarray, hq: int, hkv: int, d: int, op: str) -> tuple[np.ndarray, ...]:
+    b, t, f = qkv.shape
+    if f != (hq + 2 * hkv) * d:
+        raise OpError(f"op {op!r}: packed qkv has last dim {f}, expected (Hq + 2 * Hkv) * D = "
+                      f"{(hq + 2 * hkv) * d}", op=op)
+    if hkv <= 0 or hq % hkv:
+        raise OpError(f"op {op!r}: Hq = {hq} must be a multiple of Hkv = {hkv}", op=op)
+    return (qkv[..., : hq * d].reshape(b, t, hq, d), qkv[..., hq * d: (hq + hkv) * d].reshape(b, t, hkv, d),
+            qkv[..., (hq + hkv) * d:].reshape(b, t, hkv, d))
+
+
+def _pack(*parts: np.ndarray) -> np.ndarray:
+    return np.concatenate([p.reshape(*p.shape[:2], -1) for p in parts], axis=-1)
+
+
+def _qkv_norm_rope(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
+                   freqs: np.ndarray | None, position_ids: np.ndarray, *, Hq: int, Hkv: int, D: int,
+                   eps: float, theta: float, rotary_dim: int | None) -> tuple[np.ndarray, ...]:
+    op = "qkv_qk_norm_rope"
+    q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
+    cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    outs, rstds = [], []
+    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
+        rstd = rms_rstd(x, eps) if w is not None else np.ones(x.shape[:-1], qkv.dtype)
+        outs.append(apply_rope(normalize(x, rstd, w) if w is not None else x, cos, sin))
+        rstds.append(rstd)
+    return _pack(*outs, v), rstds[0], rstds[1]
+
+
+def _qkv_infer(ctx: InferContext) -> list[TensorType]:
+    hq, hkv, d = (_dim(ctx, n) for n in ("Hq", "Hkv", "D"))
+    x = ctx.shape(0)
+    if len(x) != 3:
+        raise ctx.fail(f"qkv must be [B, T, (Hq + 2 * Hkv) * D], found rank {len(x)}")
+    check_same(ctx, x[2:], ((hq + 2 * hkv) * d,), "packed qkv last dim must be (Hq + 2 * Hkv) * D")
+    for i, which in ((1, "q_norm_weight"), (2, "k_norm_weight")):
+        if ctx.inputs[i] is not None:
+            check_same(ctx, ctx.shape(i), (d,), f"{which} must be [D]")
+    _check_rope_inputs(ctx, 0, 3, 4, d)
+    b, t = x[:2]
+    return [TensorType(x, ctx.dtype(0)), TensorType((b, t, hq), "fp32"), TensorType((b, t, hkv), "fp32")]
+
+
+def _qkv_backward(ctx: BackwardContext) -> list[str | None]:
+    wanted = [ctx.needs_grad(i) and bool(ctx.inputs[i]) for i in range(3)]
+    if all(d is None for d in ctx.d_outputs) or not any(wanted):
+        return [None] * 5
+    grads = ctx.emit("qkv_qk_norm_rope_backward", ctx.d_outputs[0], *(ctx.saved(i) for i in range(5)),
+                     ctx.saved_output(1), ctx.saved_output(2), *ctx.d_outputs[1:], **ctx.attrs)
+    return [g if w else None for g, w in zip(grads, wanted, strict=True)] + [None, None]
+
+
+def _qkv_bwd_kernel(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: np.ndarray | None,
+                    k_norm_weight: np.ndarray | None, freqs: np.ndarray | None, position_ids: np.ndarray,
+                    q_rstd: np.ndarray, k_rstd: np.ndarray, d_q_rstd: np.ndarray | None = None,
+                    d_k_rstd: np.ndarray | None = None, *, Hq: int, Hkv: int, D: int,
+                    eps: float, theta: float, rotary_dim: int | None) -> tuple[np.ndarray, ...]:
+    op = "qkv_qk_norm_rope_backward"
+    q, k, _ = _split_qkv(qkv, Hq, Hkv, D, op)
+    d_q, d_k, d_v = _split_qkv(np.zeros_like(qkv) if d_qkv_out is None else d_qkv_out, Hq, Hkv, D, op)
+    cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    grads, d_ws = [], []
+    for x, dy, w, rstd, d_rstd in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd), (k, d_k, k_norm_weight, k_rstd,
+                                                                               d_k_rstd)):
+        dn = apply_rope(dy, cos, sin, inverse=True)
+        if w is None:  # no norm: the rstd output is constant ones
+            grads.append(dn)
+            d_ws.append(np.zeros(D, qkv.dtype))
+        else:
+            dx, dw = rmsnorm_grad(dn, x, rstd, w, d_rstd)
+            grads.append(dx)
+            d_ws.append(dw)
+    return _pack(*grads, d_v), d_ws[0], d_ws[1]
+
+
+def _qkv_bwd_infer(ctx: InferContext) -> list[TensorType]:
+    d = _dim(ctx, "D")
+    return [TensorType(ctx.shape(1), ctx.dtype(1)), *[TensorType((d,), ctx.dtype(1))] * 2]
+
+
+def _qkv_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    heads = {"Hq": 2, "Hkv": 1, "D": 4}
+    qkv, pos = randn(rng, 2, 3, 16), np.array([1, 2, 4])
+    yield Sample((qkv, randn(rng, 4), randn(rng, 4), None, pos), {**heads, "theta": 50.0})
+    yield Sample((qkv, None, None, None, rng.integers(0, 7, (2, 3))), {**heads, "theta": 50.0})
+    yield Sample((qkv, randn(rng, 4), None, None, pos), {**heads, "rotary_dim": 2, "eps": 0.1})
+    yield Sample((randn(rng, 1, 3, 24), None, randn(rng, 4), randn(rng, 5, 2, 2), pos),
+                 {"Hq": 2, "Hkv": 2, "D": 4})
+
+
+def _qkv_cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
+    n = float(np.prod(shapes[0]))
+    return Cost(flops=8.0 * n, bytes=8.0 * n)
+
+
+# --- attention core ([B, T, H, D] layout) ----------------------------------------------------------
+
+
+def _scale(softmax_scale: float | None, d: int) -> float:
+    return d ** -0.5 if softmax_scale is None else softmax_scale
+
+
+def _keep(tq: int, tk: int, causal: bool, window: int | None, op: str) -> np.ndarray:
+    p = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    keep = np.ones((tq, tk), dtype=bool)
+    if causal:
+        keep &= j <= p
+    if window is not None:
+        if window < 1:
+            raise OpError(f"op {op!r}: window_size must be >= 1, found {window}", op=op)
+        keep &= j > p - window
+        if not causal:
+            keep &= j < p + window
+    return keep
+
+
+def _heads(q: np.ndarray, k: np.ndarray, v: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[B, T, H, D] -> [B, H, T, D], with each kv head repeated for its group of query heads."""
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv <= 0 or hq % hkv:
+        raise OpError(f"op {op!r}: Hq = {hq} must be a multiple of Hkv = {hkv}", op=op)
+    rep = hq // hkv
+    return (q.transpose(0, 2, 1, 3), np.repeat(k.transpose(0, 2, 1, 3), rep, axis=1),
+            np.repeat(v.transpose(0, 2, 1, 3), rep, axis=1))
+
+
+def _masked_scores(qh: np.ndarray, kh: np.ndarray, causal: bool, softmax_scale: float | None,
+                   window_size: int | None, op: str) -> np.ndarray:
+    s = (qh @ kh.swapaxes(-1, -2)) * qh.dtype.type(_scale(softmax_scale, qh.shape[-1]))
+    return np.where(_keep(qh.shape[2], kh.shape[2], causal, window_size, op), s, -np.inf)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, softmax_scale: float | None,
+            window_size: int | None, op: str) -> tuple[np.ndarray, np.ndarray]:
+    qh, kh, vh = _heads(q, k, v, op)
+    s = _masked_scores(qh, kh, causal, softmax_scale, window_size, op)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    total = np.sum(p, axis=-1, keepdims=True)
+    probs = p / np.where(total > 0, total, 1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, m + np.log(total), np.inf)[..., 0]
+    return (probs @ vh).transpose(0, 2, 1, 3), lse
+
+
+def _attend_grad(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+                 lse: np.ndarray, d_lse: np.ndarray | None, causal: bool, softmax_scale: float | None,
+                 window_size: int | None, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b, tk, hkv, d = k.shape
+    qh, kh, vh = _heads(q, k, v, op)
+    s = _masked_scores(qh, kh, causal, softmax_scale, window_size, op)
+    probs = np.exp(s - lse[..., None])
+    ds = np.zeros_like(probs)
+    dv = np.zeros_like(vh)
+    if d_out is not None:
+        do = d_out.transpose(0, 2, 1, 3)
+        delta = np.sum(do * out.transpose(0, 2, 1, 3), axis=-1, keepdims=True)
+        ds = probs * (do @ vh.swapaxes(-1, -2) - delta)
+        dv = probs.swapaxes(-1, -2) @ do
+    if d_lse is not None:  # d lse / d s = softmax(s)
+        ds = ds + probs * d_lse[..., None]
+    scale = q.dtype.type(_scale(softmax_scale, d))
+    dq = (ds @ kh) * scale
+    dk = (ds.swapaxes(-1, -2) @ qh) * scale
+
+    def fold(x: np.ndarray) -> np.ndarray:  # sum each kv head's group, back to [B, Tk, Hkv, D]
+        folded: np.ndarray = x.reshape(b, hkv, -1, tk, d).sum(axis=2)
+        return folded.transpose(0, 2, 1, 3)
+
+    return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)
+
+
+def _check_heads(ctx: InferContext, hq: DimExpr, hkv: DimExpr) -> None:
+    a, b = _const(hq), _const(hkv)
+    if a is not None and b is not None and (b <= 0 or a % b):
+        raise ctx.fail(f"Hq = {a} must be a multiple of Hkv = {b}")
+
+
+def _attn_cost(b: int, tq: int, tk: int, hq_d: int, causal: bool, io: float, factor: float) -> Cost:
+    return Cost(flops=factor * 4.0 * b * tq * tk * hq_d * (0.5 if causal else 1.0), bytes=4.0 * io)
+
+
+# --- flash_attention (packed qkv) ----------------------------------------------------------------
+
+
+def _flash(qkv: np.ndarray, *, Hq: int, Hkv: int, D: int, causal: bool,
+           softmax_scale: float | None, window_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention")
+    out, lse = _attend(q, k, v, causal, softmax_scale, window_size, "flash_attention")
+    return out.reshape(*qkv.shape[:2], Hq * D), lse
+
+
+def _flash_infer(ctx: InferContext) -> list[TensorType]:
+    hq, hkv, d = (_dim(ctx, n) for n in ("Hq", "Hkv", "D"))
+    x = ctx.shape(0)
+    if len(x) != 3:
+        raise ctx.fail(f"qkv must be [B, T, (Hq + 2 * Hkv) * D], found rank {len(x)}")
+    check_same(ctx, x[2:], ((hq + 2 * hkv) * d,), "packed qkv last dim must be (Hq + 2 * Hkv) * D")
+    _check_heads(ctx, hq, hkv)
+    b, t = x[:2]
+    return [TensorType((b, t, hq * d), ctx.dtype(0)), TensorType((b, hq, t), "fp32")]
+
+
+def _flash_backward(ctx: BackwardContext) -> list[str | None]:
+    if all(d is None for d in ctx.d_outputs) or not ctx.needs_grad(0):
+        return [None]
+    return [ctx.emit("flash_attention_backward", ctx.d_outputs[0], ctx.saved(0), ctx.saved_output(0),
+                     ctx.saved_output(1), ctx.d_outputs[1], **ctx.attrs)]
+
+
+def _flash_bwd_kernel(d_out: np.ndarray | None, qkv: np.ndarray, out: np.ndarray, lse: np.ndarray,
+                      d_lse: np.ndarray | None = None, *, Hq: int, Hkv: int, D: int, causal: bool,
+                      softmax_scale: float | None, window_size: int | None) -> np.ndarray:
+    q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention_backward")
+    heads = (*qkv.shape[:2], Hq, D)
+    d_out = None if d_out is None else d_out.reshape(heads)
+    grads = _attend_grad(d_out, q, k, v, out.reshape(heads), lse, d_lse, causal, softmax_scale, window_size,
+                         "flash_attention_backward")
+    return _pack(*grads)
+
+
+def _flash_bwd_infer(ctx: InferContext) -> list[TensorType]:
+    return [TensorType(ctx.shape(1), ctx.dtype(1))]
+
+
+def _flash_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    heads = {"Hq": 2, "Hkv": 1, "D": 3}
+    qkv = randn(rng, 2, 4, 12)
+    yield Sample((qkv,), heads)
+    yield Sample((qkv,), {**heads, "causal": False, "softmax_scale": 0.8})
+    yield Sample((qkv,), {**heads, "window_size": 2})
+    yield Sample((randn(rng, 1, 5, 12),), {"Hq": 1, "Hkv": 1, "D": 4, "causal": False, "window_size": 2})
+
+
+def _flash_cost(qkv_index: int, factor: float) -> Any:
+    def cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
+        b, t, f = shapes[qkv_index]
+        hq, d = attrs["Hq"], attrs["D"]
+        hq_d = hq * d if isinstance(hq, int) and isinstance(d, int) else f // 3  # unbound: guess Hkv = Hq
+        return _attn_cost(b, t, t, hq_d, attrs["causal"], factor * 2 * b * t * f, factor)
+    return cost
+
+
+# --- attention (separate q, k, v) ----------------------------------------------------------------
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, softmax_scale: float | None,
+               window_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    return _attend(q, k, v, causal, softmax_scale, window_size, "attention")
+
+
+def _attention_infer(ctx: InferContext) -> list[TensorType]:
+    q, k = ctx.shape(0), ctx.shape(1)
+    if len(q) != 4 or len(k) != 4:
+        raise ctx.fail(f"q, k, v must be [B, T, H, D], found ranks {len(q)} and {len(k)}")
+    check_same(ctx, ctx.shape(2), k, "k and v differ")
+    check_same(ctx, (q[0], q[3]), (k[0], k[3]), "q and k differ in batch or head dim")
+    _check_heads(ctx, q[2], k[2])
+    return [TensorType(q, ctx.dtype(0)), TensorType((q[0], q[2], q[1]), "fp32")]
+
+
+def _attention_backward(ctx: BackwardContext) -> list[str | None]:
+    if all(d is None for d in ctx.d_outputs) or not any(ctx.needs_grad(i) for i in range(3)):
+        return [None] * 3
+    grads = ctx.emit("attention_backward", ctx.d_outputs[0], *(ctx.saved(i) for i in range(3)),
+                     ctx.saved_output(0), ctx.saved_output(1), ctx.d_outputs[1], **ctx.attrs)
+    return [g if ctx.needs_grad(i) else None for i, g in enumerate(grads)]
+
+
+def _attention_bwd_kernel(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          out: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None = None, *, causal: bool,
+                          softmax_scale: float | None, window_size: int | None) -> tuple[np.ndarray, ...]:
+    return _attend_grad(d_out, q, k, v, out, lse, d_lse, causal, softmax_scale, window_size,
+                        "attention_backward")
+
+
+def _attention_bwd_infer(ctx: InferContext) -> list[TensorType]:
+    return [TensorType(ctx.shape(i), ctx.dtype(i)) for i in (1, 2, 3)]
+
+
+def _attention_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    q, k, v = randn(rng, 1, 4, 2, 3), randn(rng, 1, 4, 1, 3), randn(rng, 1, 4, 1, 3)
+    yield Sample((q, k, v), {})
+    yield Sample((q, k, v), {"causal": False, "window_size": 2, "softmax_scale": 0.7})
+    yield Sample((randn(rng, 2, 3, 2, 2), randn(rng, 2, 5, 2, 2), randn(rng, 2, 5, 2, 2)), {"window_size": 3})
+
+
+def _attention_cost(q_index: int, factor: float) -> Any:
+    def cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
+        q, k = shapes[q_index], shapes[q_index + 1]
+        io = 2 * np.prod(q) + 2 * np.prod(k)
+        return _attn_cost(q[0], q[1], k[1], q[2] * q[3], attrs["causal"], factor * io, factor)
+    return cost
+
+
+OPS = [
+    OpDef(
+        "rope", ("x", "freqs?", "position_ids"), ("out",), _rope, _rope_infer, backward=_rope_backward,
+        attrs=(AttrSpec("head_dim", "dim"), *_ROPE_ATTRS, AttrSpec("inverse", "bool", False)),
+        samples=_rope_samples, cost=_rope_cost, nondiff_inputs={1, 2},
+        doc="Rotary position embedding (HF rotate_half) of every head of x: [B, T, H * head_dim]; "
+            "inverse=True rotates back.",
+    ),
+    OpDef(
+        "qkv_qk_norm_rope", ("qkv", "q_norm_weight?", "k_norm_weight?", "freqs?", "position_ids"),
+        ("qkv_out", "q_rstd", "k_rstd"), _qkv_norm_rope, _qkv_infer, backward=_qkv_backward,
+        attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), samples=_qkv_samples, cost=_qkv_cost,
+        nondiff_inputs={3, 4},
+        doc="Per-head RMSNorm of q and k (each only when its weight is given; its rstd is ones otherwise), "
+            "then rope on q and k of packed qkv; v passes through.",
+    ),
+    OpDef(
+        "qkv_qk_norm_rope_backward",
+        ("d_qkv_out?", "qkv", "q_norm_weight?", "k_norm_weight?", "freqs?", "position_ids", "q_rstd",
+         "k_rstd", "d_q_rstd?", "d_k_rstd?"),
+        ("d_qkv", "d_q_norm_weight", "d_k_norm_weight"), _qkv_bwd_kernel, _qkv_bwd_infer,
+        attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), cost=lambda s, a: _qkv_cost(s[1:], a),
+        doc="Gradients of qkv_qk_norm_rope (a weight's gradient is zeros when that weight was omitted).",
+    ),
+    OpDef(
+        "flash_attention", ("qkv",), ("out", "lse"), _flash, _flash_infer, backward=_flash_backward,
+        attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples, cost=_flash_cost(0, 1.0),
+        doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window): "
+            "out [B, T, Hq * D] and lse [B, Hq, T].",
+    ),
+    OpDef(
+        "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?"), ("d_qkv",), _flash_bwd_kernel,
+        _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5),
+        doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
+    ),
+    OpDef(
+        "attention", ("q", "k", "v"), ("out", "lse"), _attention, _attention_infer,
+        backward=_attention_backward, attrs=_ATTN_ATTRS, samples=_attention_samples,
+        cost=_attention_cost(0, 1.0),
+        doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
+            "lse [B, Hq, Tq].",
+    ),
+    OpDef(
+        "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?"), ("d_q", "d_k", "d_v"),
+        _attention_bwd_kernel, _attention_bwd_infer, attrs=_ATTN_ATTRS, cost=_attention_cost(1, 2.5),
+        doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",
+    ),
+]
