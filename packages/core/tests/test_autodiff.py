@@ -198,3 +198,36 @@ def test_explicit_backward_diagnostics(code: str, bwd: Graph, saves: list[str], 
     diags = check_backward(FWD, bwd, saves, registry=REG)
     assert [d.code for d in diags] == [code], diags
     assert culprit in diags[0].message
+
+
+def _stacked(n_layers: int) -> tuple[Graph, dict[str, object]]:
+    from kiln.core.ir import Module, ParamSpec
+
+    block = Graph("block", inputs=[TensorDecl("x", ["N", "C"], "fp32")],
+                  params=[TensorDecl("w", ["C", "C"], "fp32"), TensorDecl("ln", ["C"], "fp32")],
+                  ops=[Op("rmsnorm", ["x", "ln"], ["h", "rstd"]), Op("matmul", ["h", "w"], ["m"], {"transpose": "NT"}),
+                       Op("add", ["x", "m"], ["y"])], outputs=[TensorDecl("y", ["N", "C"], "fp32")])
+    blk = Module("Block", kind="block", params=[ParamSpec("w", ["C", "C"], "fp32"), ParamSpec("ln", ["C"], "fp32")],
+                 forward=block)
+    model = Graph("model", inputs=[TensorDecl("ids", ["N"], "int32"), TensorDecl("targets", ["N"], "int32")],
+                  params=[TensorDecl("embed", ["V", "C"], "fp32"), TensorDecl("blocks", [], "fp32")],
+                  ops=[Op("embedding", ["ids", "embed"], ["x0"]),
+                       Op("call", ["x0"], ["xn"], {"module": "Block", "n_layers": n_layers, "params": "blocks"}),
+                       Op("fused_lm_head_loss", ["xn", "embed", "targets"], ["loss", "lse"])],
+                  outputs=[TensorDecl("loss", ["N"], "fp32")])
+    return model, {"Block": blk}
+
+
+def test_repeated_layers_are_differentiated_once_not_per_layer() -> None:
+    two, modules = _stacked(2)
+    many, _ = _stacked(64)
+    b2 = derive_backward(two, registry=REG, modules=modules).backward  # type: ignore[arg-type]
+    b64 = derive_backward(many, registry=REG, modules=modules).backward  # type: ignore[arg-type]
+    calls = [op for op in b64.ops if op.type == "call_backward"]
+    assert len(calls) == 1 and calls[0].attrs["n_layers"] == 64
+    assert len(b2.ops) == len(b64.ops)  # the layer count is an attribute, not unrolled ops
+    assert {d.name for d in b64.outputs} == {"d_embed", "d_blocks"}
+    # the gradient flows through the stack into the (tied) embedding: two contributions, summed
+    emb = next(op for op in b64.ops if op.type == "embedding_backward")
+    assert emb.inputs[0] == calls[0].outputs[0]
+    assert any(op.type == "add" and op.outputs[0] == "d_embed" for op in b64.ops)
