@@ -68,7 +68,8 @@ def _add(pm: pluggy.PluginManager, obj: object, info: PluginInfo) -> None:
             f"cannot register {info.describe()}: {taken}", plugin=info.name, distribution=info.distribution
         ) from exc
     except pluggy.PluginValidationError as exc:
-        pm.unregister(obj)
+        if pm.is_registered(obj):  # pluggy >= 1.7 validates before registering, older after
+            pm.unregister(obj)
         raise PluginError(
             f"{info.describe()} declares an invalid hook: {exc}",
             plugin=info.name,
