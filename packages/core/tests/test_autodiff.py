@@ -26,7 +26,8 @@ def decoder(n_layers: int = 2) -> Graph:
         params += [TensorDecl(f"ln1_{i}", ["C"], "fp32"), TensorDecl(f"qkv_w_{i}", [qkv_dim, "C"], "fp32"),
                    TensorDecl(f"qn_{i}", ["D"], "fp32"), TensorDecl(f"kn_{i}", ["D"], "fp32"),
                    TensorDecl(f"o_w_{i}", ["C", attn], "fp32"), TensorDecl(f"ln2_{i}", ["C"], "fp32"),
-                   TensorDecl(f"up_w_{i}", ["2 * M", "C"], "fp32"), TensorDecl(f"down_w_{i}", ["C", "M"], "fp32")]
+                   TensorDecl(f"up_w_{i}", ["2 * M", "C"], "fp32"),
+                   TensorDecl(f"down_w_{i}", ["C", "M"], "fp32")]
         ops += [
             Op("rmsnorm", [x, f"ln1_{i}"], [f"h{i}", f"rstd1_{i}"]),
             Op("view", [f"h{i}"], [f"hf{i}"], {"shape": ["B * T", "C"]}),
@@ -115,7 +116,8 @@ def test_integer_tensors_never_receive_gradients() -> None:
 
 
 def test_a_tensor_used_three_times_gets_the_sum_of_three_contributions() -> None:
-    g = Graph("fan", inputs=[TensorDecl("x", ["N", "C"], "fp32")], params=[TensorDecl("w", ["C", "C"], "fp32")],
+    g = Graph("fan", inputs=[TensorDecl("x", ["N", "C"], "fp32")],
+              params=[TensorDecl("w", ["C", "C"], "fp32")],
               ops=[Op("matmul", ["x", "w"], ["a"]), Op("matmul", ["x", "w"], ["b"], {"transpose": "NT"}),
                    Op("matmul", ["x", "w"], ["c"], {"alpha": 2.0}), Op("add", ["a", "b"], ["ab"]),
                    Op("add", ["ab", "c"], ["s"]), Op("reduce_sum", ["s"], ["loss"], {"axes": [1]})],
@@ -152,9 +154,10 @@ def test_missing_rule_names_the_op_and_how_to_register_one() -> None:
     from kiln.core import OpDef, OpRegistry, TensorType
 
     reg = OpRegistry()
-    for name, opdef in REG.items():
+    for _name, opdef in REG.items():
         reg.register_op(opdef)
-    reg.register_op(OpDef("norule", ("x",), ("y",), lambda x: x, lambda c: [TensorType(c.shape(0), c.dtype(0))]))
+    reg.register_op(OpDef("norule", ("x",), ("y",), lambda x: x,
+                          lambda c: [TensorType(c.shape(0), c.dtype(0))]))
     g = Graph("g", inputs=[TensorDecl("x", ["N"], "fp32")], ops=[Op("norule", ["x"], ["loss"])],
               outputs=[TensorDecl("loss", ["N"], "fp32")])
     with pytest.raises(KilnError, match="'norule' has no backward rule") as err:
@@ -173,11 +176,13 @@ def test_unknown_op_is_E014() -> None:
 # Explicit backward graphs ---------------------------------------------------------------------
 
 FWD = Graph("lin", inputs=[TensorDecl("x", ["N", "C"], "fp32")], params=[TensorDecl("w", ["O", "C"], "fp32")],
-            ops=[Op("matmul", ["x", "w"], ["loss"], {"transpose": "NT"})], outputs=[TensorDecl("loss", ["N", "O"], "fp32")])
+            ops=[Op("matmul", ["x", "w"], ["loss"], {"transpose": "NT"})],
+            outputs=[TensorDecl("loss", ["N", "O"], "fp32")])
 
 
 def _bwd(*ops: Op) -> Graph:
-    return Graph("lin_backward", inputs=[TensorDecl("d_loss", ["N", "O"], "fp32")], params=FWD.params, ops=ops)
+    return Graph("lin_backward", inputs=[TensorDecl("d_loss", ["N", "O"], "fp32")], params=FWD.params,
+                 ops=ops)
 
 
 def test_correct_explicit_backward_passes_and_matches_finite_differences() -> None:
@@ -205,14 +210,16 @@ def _stacked(n_layers: int) -> tuple[Graph, dict[str, object]]:
 
     block = Graph("block", inputs=[TensorDecl("x", ["N", "C"], "fp32")],
                   params=[TensorDecl("w", ["C", "C"], "fp32"), TensorDecl("ln", ["C"], "fp32")],
-                  ops=[Op("rmsnorm", ["x", "ln"], ["h", "rstd"]), Op("matmul", ["h", "w"], ["m"], {"transpose": "NT"}),
-                       Op("add", ["x", "m"], ["y"])], outputs=[TensorDecl("y", ["N", "C"], "fp32")])
-    blk = Module("Block", kind="block", params=[ParamSpec("w", ["C", "C"], "fp32"), ParamSpec("ln", ["C"], "fp32")],
-                 forward=block)
+                  ops=[Op("rmsnorm", ["x", "ln"], ["h", "rstd"]),
+                       Op("matmul", ["h", "w"], ["m"], {"transpose": "NT"}), Op("add", ["x", "m"], ["y"])],
+                  outputs=[TensorDecl("y", ["N", "C"], "fp32")])
+    blk = Module("Block", kind="block",
+                 params=[ParamSpec("w", ["C", "C"], "fp32"), ParamSpec("ln", ["C"], "fp32")], forward=block)
     model = Graph("model", inputs=[TensorDecl("ids", ["N"], "int32"), TensorDecl("targets", ["N"], "int32")],
                   params=[TensorDecl("embed", ["V", "C"], "fp32"), TensorDecl("blocks", [], "fp32")],
                   ops=[Op("embedding", ["ids", "embed"], ["x0"]),
-                       Op("call", ["x0"], ["xn"], {"module": "Block", "n_layers": n_layers, "params": "blocks"}),
+                       Op("call", ["x0"], ["xn"],
+                          {"module": "Block", "n_layers": n_layers, "params": "blocks"}),
                        Op("fused_lm_head_loss", ["xn", "embed", "targets"], ["loss", "lse"])],
                   outputs=[TensorDecl("loss", ["N"], "fp32")])
     return model, {"Block": blk}

@@ -63,6 +63,7 @@ def kiln_register_ops(registry: Any) -> None:
 
     same = lambda ctx: [TensorType(ctx.shape(0), ctx.dtype(0))]  # noqa: E731
     registry.register_op(OpDef("fixture_softsign", ("x",), ("y",), _softsign, same, backward=_softsign_rule,
-                               samples=_samples, doc="y = x / (1 + |x|), contributed by a third-party plugin"))
-    registry.register_op(OpDef("fixture_softsign_backward", ("d_y", "x"), ("d_x",), _softsign_backward_kernel,
-                               same, doc="gradient of fixture_softsign"))
+                               samples=_samples,
+                               doc="y = x / (1 + |x|), contributed by a third-party plugin"))
+    registry.register_op(OpDef("fixture_softsign_backward", ("d_y", "x"), ("d_x",),
+                               _softsign_backward_kernel, same, doc="gradient of fixture_softsign"))

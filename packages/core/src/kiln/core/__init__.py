@@ -13,7 +13,16 @@ from kiln.core._errors import (
 )
 from kiln.core._hookspecs import hookimpl
 from kiln.core._ir import TensorType
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, OpRegistry, Sample, no_gradient
+from kiln.core._ops import (
+    AttrSpec,
+    BackwardContext,
+    Cost,
+    InferContext,
+    OpDef,
+    OpRegistry,
+    Sample,
+    no_gradient,
+)
 from kiln.core._plugins import get_registry, list_plugins, plugin_manager, register_plugin, reset_plugins
 from kiln.core._registry import NamedRegistry, PluginInfo
 

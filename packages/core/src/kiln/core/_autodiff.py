@@ -89,19 +89,22 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     stops = set(opts.stop_gradients)
     for name in stops:
         if name not in types and name not in producers:
-            raise AutodiffError(f"stop_gradients names {name!r}, which is not a tensor of graph {graph.name!r}",
-                                tensor=name, code="E002")
+            raise AutodiffError(
+                f"stop_gradients names {name!r}, which is not a tensor of graph {graph.name!r}",
+                tensor=name, code="E002")
 
     def differentiable(name: str) -> bool:
         t = types.get(name)
-        return bool(name) and name not in stops and not _nondiff_name(name) and (t is None or is_float(t.dtype))
+        return (bool(name) and name not in stops and not _nondiff_name(name)
+                and (t is None or is_float(t.dtype)))
 
     # Step 2: needs_grad = reaches the loss, depends on a trainable leaf, and is differentiable.
     if opts.loss_name is not None:
         if opts.loss_name not in producers:
-            raise AutodiffError(f"loss tensor {opts.loss_name!r} is not produced by graph {graph.name!r}",
-                                tensor=opts.loss_name, code="E002",
-                                hint="set DeriveBackwardOptions(loss_name=...) to the tensor to differentiate")
+            raise AutodiffError(
+                f"loss tensor {opts.loss_name!r} is not produced by graph {graph.name!r}",
+                tensor=opts.loss_name, code="E002",
+                hint="set DeriveBackwardOptions(loss_name=...) to the tensor to differentiate")
         roots = [opts.loss_name]
     else:
         roots = [d.name for d in graph.outputs]
@@ -144,7 +147,8 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
         if not any(d_outs):
             continue  # dead: nothing downstream needs this op's gradient
         if op.type == "call":
-            contribs, d_block_params = _call_backward(op, d_outs, needs, modules, opts, registry, emitted, namer)
+            contribs, d_block_params = _call_backward(op, d_outs, needs, modules, opts, registry, emitted,
+                                                      namer)
             stack = op.attrs.get("params")
             if stack in params and stack not in stops:
                 grads[stack] = d_block_params
@@ -159,8 +163,12 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
                     f"(to {', '.join(n for n, w in zip(op.inputs, want, strict=True) if w)})", op=op.type,
                     hint=f"register one: kiln.core.register_backward_rule({op.type!r}, rule) where rule(ctx) "
                          "emits ops with ctx.emit(...) and returns one gradient name (or None) per input")
+
+            def op_namer(b: str, o: Op = op) -> str:
+                return namer(f"{p}{o.outputs[0]}:{b}")
+
             ctx = BackwardContext(op, opdef, opdef.resolve_attrs(op.attrs), d_outs, want, types, params,
-                                  graph_inputs, registry, lambda b, o=op: namer(f"{p}{o.outputs[0]}:{b}"))
+                                  graph_inputs, registry, op_namer)
             contribs = list(opdef.backward(ctx))
             if len(contribs) != len(op.inputs):
                 raise AutodiffError(f"backward rule of {op.type!r} returned {len(contribs)} gradients for "
@@ -177,8 +185,9 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
                 emitted.append(Op("add", (grads[name], g), (acc,), loc=op.loc))
                 grads[name] = acc
             else:
-                raise AutodiffError(f"tensor {name!r} is used by {counts[name]} ops and accumulate_grads is off",
-                                    tensor=name, hint="enable DeriveBackwardOptions(accumulate_grads=True)")
+                raise AutodiffError(
+                    f"tensor {name!r} is used by {counts[name]} ops and accumulate_grads is off",
+                    tensor=name, hint="enable DeriveBackwardOptions(accumulate_grads=True)")
 
     # Name every gradient prefix + tensor where that is free of aliasing; leaves get a copy if needed.
     leaves = [n for n in (*graph.inputs, *graph.params) if n.name in grads and n.name not in roots]
@@ -209,7 +218,8 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     kept.reverse()
 
     # Step 5: required saves.
-    refs = list(dict.fromkeys(i.removeprefix("saved.") for op in kept for i in op.inputs if i.startswith("saved.")))
+    refs = list(dict.fromkeys(
+        i.removeprefix("saved.") for op in kept for i in op.inputs if i.startswith("saved.")))
     for name in opts.extra_saves:
         if name not in types:
             raise AutodiffError(f"extra_saves names {name!r}, which is not a tensor of graph {graph.name!r}",
@@ -235,7 +245,8 @@ def _callee(op: Op, modules: Mapping[str, Module]) -> Module:
     callee = modules.get(name) if isinstance(name, str) else None
     if callee is None or callee.forward is None:
         raise AutodiffError(f"op 'call' names module {name!r}, which was not given to derive_backward",
-                            op="call", code="E002", hint="pass modules={name: Module} (e.g. a Bundle's modules)")
+                            op="call", code="E002",
+                            hint="pass modules={name: Module} (e.g. a Bundle's modules)")
     return callee
 
 
@@ -265,17 +276,16 @@ def _call_backward(op: Op, d_outs: list[str | None], needs: set[str], modules: M
         else:
             outs.append(None)
             out_names.append("")
-    zeros = []
-    for k, d in enumerate(d_outs):
-        if d is None:  # an output nobody differentiates still needs a zero gradient per layer
+    for k, d_out in enumerate(d_outs):
+        if d_out is None:  # an output nobody differentiates still needs a zero gradient per layer
             decl = callee.forward.outputs[k]
             z = namer(f"{opts.grad_prefix}{op.outputs[k]}:zero")
-            emitted.append(Op("zeros", (), (z,), {"shape": [s.to_json() for s in decl.shape], "dtype": decl.dtype}))
-            zeros.append(z)
+            shape = [s.to_json() for s in decl.shape]
+            emitted.append(Op("zeros", (), (z,), {"shape": shape, "dtype": decl.dtype}))
             d_outs[k] = z
     d_params = namer(f"{opts.grad_prefix}{op.attrs.get('params', 'blocks')}:call")
-    emitted.append(Op("call_backward", (*[d or "" for d in d_outs], *[f"saved.{i}" if i else "" for i in op.inputs]),
-                      (*out_names, d_params), {**op.attrs}, loc=op.loc))
+    call_inputs = (*[d or "" for d in d_outs], *[f"saved.{i}" if i else "" for i in op.inputs])
+    emitted.append(Op("call_backward", call_inputs, (*out_names, d_params), {**op.attrs}, loc=op.loc))
     return outs, d_params
 
 
@@ -296,8 +306,9 @@ def has_rule(op_type: str, registry: OpRegistry | None = None) -> bool:
     return op_type in registry and registry[op_type].backward is not None
 
 
-def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *, registry: OpRegistry | None = None,
-                   stop_gradients: Sequence[str] = (), grad_prefix: str = "d_") -> list[Diagnostic]:
+def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
+                   registry: OpRegistry | None = None, stop_gradients: Sequence[str] = (),
+                   grad_prefix: str = "d_") -> list[Diagnostic]:
     """Validate an explicit backward graph against its forward graph (E005, E006, E018-E020)."""
     from kiln.core._verify import _find_cycle, _where
 
@@ -311,35 +322,40 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *, reg
     for i, op in enumerate(backward.ops):
         for name in op.inputs:
             if name.startswith("saved.") and name.removeprefix("saved.") not in saves:
-                diags.append(Diagnostic("E006", f"backward reads {name!r}, but {name.removeprefix('saved.')!r} "
-                                                "is not in the forward save list",
-                                        hint=f"add it to the save list of {forward.name!r}",
-                                        location=_where(backward, i)))
+                diags.append(Diagnostic(
+                    "E006", f"backward reads {name!r}, but {name.removeprefix('saved.')!r} "
+                            "is not in the forward save list",
+                    hint=f"add it to the save list of {forward.name!r}", location=_where(backward, i)))
     cycle = _find_cycle(backward, backward.producers())
     if cycle:
         text = " -> ".join(f"%{k} ({backward.ops[k].type})" for k in (*cycle, cycle[0]))
-        diags.append(Diagnostic("E019", f"circular gradient dependency: {text}", location=_where(backward, cycle[0])))
+        diags.append(Diagnostic("E019", f"circular gradient dependency: {text}",
+                                location=_where(backward, cycle[0])))
         return diags
     produced = {o for op in backward.ops for o in op.outputs}
-    bwd_types = infer_types(backward.evolve(inputs=(*backward.inputs, *[
-        TensorDecl(f"saved.{n}", fwd_types[n].shape, fwd_types[n].dtype) for n in saves if n in fwd_types])), registry)
+    saved_decls = [TensorDecl(f"saved.{n}", fwd_types[n].shape, fwd_types[n].dtype)
+                   for n in saves if n in fwd_types]
+    bwd_types = infer_types(backward.evolve(inputs=(*backward.inputs, *saved_decls)), registry)
     for d in forward.params:
         if d.name in stop_gradients or not is_float(d.dtype):
             continue
         g = grad_prefix + d.name
         if g not in produced:
-            diags.append(Diagnostic("E005", f"parameter {d.name!r} has no gradient: the backward graph never "
-                                            f"produces {g!r}", hint="add an op that computes it, or list the "
-                                                                    "parameter in stop_gradients", location=where))
+            diags.append(Diagnostic(
+                "E005", f"parameter {d.name!r} has no gradient: the backward graph never produces {g!r}",
+                hint="add an op that computes it, or list the parameter in stop_gradients", location=where))
             continue
         t = bwd_types.get(g)
         if t is None:
             continue
         from kiln.core._dims import dims_equal
 
-        if len(t.shape) != len(d.shape) or not all(dims_equal(a, b) for a, b in zip(t.shape, d.shape, strict=True)):
-            diags.append(Diagnostic("E018", f"gradient {g!r} has shape [{', '.join(map(str, t.shape))}] but "
-                                            f"{d.name!r} is [{', '.join(map(str, d.shape))}]", location=where))
+        same = len(t.shape) == len(d.shape) and all(
+            dims_equal(a, b) for a, b in zip(t.shape, d.shape, strict=True))
+        if not same:
+            diags.append(Diagnostic("E018", f"gradient {g!r} has shape [{', '.join(map(str, t.shape))}] "
+                                            f"but {d.name!r} is [{', '.join(map(str, d.shape))}]",
+                                    location=where))
         elif not is_float(t.dtype):
             diags.append(Diagnostic("E020", f"gradient {g!r} is {t.dtype}; the gradient of float parameter "
                                             f"{d.name!r} must be a float type", location=where))

@@ -11,12 +11,12 @@ from typing import Any
 import attrs
 
 __all__ = [
-    "Diagnostic",
-    "KilnError",
-    "IRError",
-    "DimError",
-    "OpError",
     "AutodiffError",
+    "Diagnostic",
+    "DimError",
+    "IRError",
+    "KilnError",
+    "OpError",
     "PluginError",
 ]
 
@@ -123,7 +123,8 @@ class AutodiffError(KilnError):
 class PluginError(KilnError):
     """A plugin failed to load, declared a bad hook, or contributed a name another plugin owns."""
 
-    def __init__(self, message: str, *, plugin: str | None = None, distribution: str | None = None, **kw: Any) -> None:
+    def __init__(self, message: str, *, plugin: str | None = None, distribution: str | None = None,
+                 **kw: Any) -> None:
         self.plugin = plugin
         self.distribution = distribution
         super().__init__(message, **kw)

@@ -60,7 +60,9 @@ def check_sample(opdef: OpDef, sample: Sample, registry: OpRegistry, *, index: i
         i for i, x in enumerate(inputs) if x is not None and np.issubdtype(x.dtype, np.floating)
         and i not in opdef.nondiff_inputs)
     out_names = [f"out{k}" for k in range(len(outs))]
-    types: dict[str, TensorType] = {n: _decl(n, x).type for n, x in zip(names, inputs, strict=True) if n}
+    types: dict[str, TensorType] = {
+        n: _decl(n, x).type for n, x in zip(names, inputs, strict=True) if x is not None
+    }
     types.update({n: TensorType(t.shape, t.dtype) for n, t in zip(out_names, inferred, strict=True)})
     counter = iter(range(10**9))
     assert opdef.backward is not None
@@ -71,18 +73,20 @@ def check_sample(opdef: OpDef, sample: Sample, registry: OpRegistry, *, index: i
         registry, lambda base: f"t{next(counter)}.{base}")
     grads = list(opdef.backward(ctx))
     if len(grads) != len(inputs):
-        raise KilnError(f"op {opdef.name!r}: backward rule returned {len(grads)} gradients for {len(inputs)} inputs")
+        raise KilnError(
+            f"op {opdef.name!r}: backward rule returned {len(grads)} gradients for {len(inputs)} inputs"
+        )
     env: dict[str, Any] = {n: x for n, x in zip(names, inputs, strict=True) if n}
     env.update(zip(out_names, outs, strict=True))
     env.update({f"d_out{k}": c for k, c in enumerate(cots) if c is not None})
     env = run_graph(Graph("backward", ops=ctx.emitted), env, registry=registry, float_dtype=np.float64)
 
     for i in checked:
-        if grads[i] is None:
+        grad, x = grads[i], inputs[i]
+        if grad is None:
             raise KilnError(f"op {opdef.name!r}: backward rule gives no gradient for input {i}")
-        g = np.broadcast_to(env[grads[i]], inputs[i].shape)  # type: ignore[union-attr]
-        x = inputs[i]
         assert x is not None
+        g = np.broadcast_to(env[grad], x.shape)
         fd = np.zeros(x.shape)
         flat = fd.reshape(-1)
         for j in range(x.size):
@@ -102,4 +106,5 @@ def check_op(opdef: OpDef, registry: OpRegistry, *, seed: int = 0) -> list[GradR
         raise KilnError(f"op {opdef.name!r} has a backward rule but no samples for the gradient check",
                         hint="give its OpDef samples=... (a function of a numpy Generator)")
     rng = np.random.default_rng(seed)
-    return [r for k, s in enumerate(opdef.samples(rng)) for r in check_sample(opdef, s, registry, index=k, rng=rng)]
+    return [r for k, s in enumerate(opdef.samples(rng))
+            for r in check_sample(opdef, s, registry, index=k, rng=rng)]

@@ -39,7 +39,8 @@ def bind_dims(decls: tuple[TensorDecl, ...], values: Mapping[str, np.ndarray],
 
 
 def run_graph(graph: Graph, values: Mapping[str, Any], *, registry: OpRegistry | None = None,
-              bindings: Mapping[str, int] | None = None, float_dtype: Any = np.float32) -> dict[str, np.ndarray]:
+              bindings: Mapping[str, int] | None = None,
+              float_dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """Run every op of ``graph`` in order; returns all tensors by name (inputs included)."""
     if registry is None:
         from kiln.core._oplib import op_registry
@@ -49,7 +50,7 @@ def run_graph(graph: Graph, values: Mapping[str, Any], *, registry: OpRegistry |
     binds = bind_dims((*graph.inputs, *graph.params), env, bindings)
     for op in graph.ops:
         opdef = registry.get_op(op.type)
-        ins = []
+        ins: list[np.ndarray | None] = []
         for name in op.inputs:
             if not name:
                 ins.append(None)

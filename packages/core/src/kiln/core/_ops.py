@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from attrs import field
 import numpy as np
+from attrs import field
 
 from kiln.core._dims import DimExpr, Shape, evaluate_shape, parse_dim, parse_shape
 from kiln.core._errors import KilnError, OpError
 from kiln.core._ir import DTYPES, Graph, Op, TensorType, freeze, is_float
 from kiln.core._registry import NamedRegistry
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
 
 class _Required:
     def __repr__(self) -> str:
@@ -54,25 +58,32 @@ class AttrSpec:
         return self.default is REQUIRED
 
     def check(self, value: Any, op: str) -> None:
-        ok = {
+        checks: dict[str, Callable[[Any], bool]] = {
             "bool": lambda v: isinstance(v, bool),
             "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
             "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
             "str": lambda v: isinstance(v, str),
             "dim": lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
-            "dims": lambda v: isinstance(v, tuple) and all(isinstance(x, (int, str)) and not isinstance(x, bool)
-                                                           for x in v),
+            "dims": lambda v: isinstance(v, tuple) and all(
+                isinstance(x, (int, str)) and not isinstance(x, bool) for x in v
+            ),
             "dtype": lambda v: v in DTYPES,
-            "ints": lambda v: isinstance(v, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-            "floats": lambda v: isinstance(v, tuple) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                             for x in v),
+            "ints": lambda v: isinstance(v, tuple) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in v
+            ),
+            "floats": lambda v: isinstance(v, tuple) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
+            ),
             "any": lambda v: True,
-        }[self.kind]
+        }
+        ok = checks[self.kind]
         if value is None and self.default is None:
             return
         if not ok(value) or (self.choices is not None and value not in self.choices):
             expected = f"one of {list(self.choices)}" if self.choices is not None else f"a {self.kind}"
-            raise OpError(f"op {op!r}: attribute {self.name!r} = {value!r} is not {expected}", op=op, code="E003")
+            raise OpError(
+                f"op {op!r}: attribute {self.name!r} = {value!r} is not {expected}", op=op, code="E003"
+            )
         if self.kind in ("dim", "dims"):
             for v in value if self.kind == "dims" else (value,):
                 parse_dim(v)
@@ -180,7 +191,9 @@ class OpDef:
                 spec.check(value, self.name)
                 out[name] = value
             elif spec.required:
-                raise OpError(f"op {self.name!r}: missing required attribute {name!r}", op=self.name, code="E003")
+                raise OpError(
+                    f"op {self.name!r}: missing required attribute {name!r}", op=self.name, code="E003"
+                )
             else:
                 out[name] = spec.default
         return out
@@ -202,14 +215,15 @@ class OpDef:
         return out
 
     def run(self, inputs: Sequence[np.ndarray | None], attrs: Mapping[str, Any],
-            bindings: Mapping[str, int] | None = None, float_dtype: Any = np.float64) -> tuple[np.ndarray, ...]:
+            bindings: Mapping[str, int] | None = None,
+            float_dtype: Any = np.float64) -> tuple[np.ndarray, ...]:
         """Run the reference kernel on concrete inputs; always returns a tuple of arrays."""
         kattrs = self.kernel_attrs(self.resolve_attrs(attrs), bindings or {}, float_dtype)
         out = self.kernel(*inputs, **kattrs)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def numpy_dtype(dtype: str, float_dtype: Any = np.float32) -> np.dtype[Any]:
+def numpy_dtype(dtype: str, float_dtype: DTypeLike = np.float32) -> np.dtype[Any]:
     """The NumPy dtype an IR dtype computes in: every float type in ``float_dtype``."""
     if is_float(dtype):
         return np.dtype(float_dtype)
@@ -324,8 +338,8 @@ class BackwardContext:
         count = n_out if n_out is not None else len(opdef.outputs)
         base = name or f"{op_type}"
         outs = tuple(self._namer(f"{base}.{k}" if count > 1 else base) for k in range(count))
-        op = Op(op_type, tuple(i or "" for i in inputs), outs, {k: v for k, v in attrs.items() if v is not None},
-                loc=self.op.loc)
+        op = Op(op_type, tuple(i or "" for i in inputs), outs,
+                {k: v for k, v in attrs.items() if v is not None}, loc=self.op.loc)
         self.emitted.append(op)
         return outs[0] if count == 1 and not opdef.variadic_outputs else outs
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from kiln.core._ir import TensorType
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
 from kiln.core._oplib._common import check_same, randn
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
 
 TRANSPOSES = ("NN", "NT", "TN", "TT")
 _MM_ATTRS = (
@@ -25,7 +26,7 @@ def _op(x: np.ndarray, flag: str) -> np.ndarray:
 
 def _matmul(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, *, transpose: str, accumulate: bool,
             alpha: float, beta: float) -> np.ndarray:
-    out = np.matmul(_op(a, transpose[0]), _op(b, transpose[1]))
+    out: np.ndarray = np.matmul(_op(a, transpose[0]), _op(b, transpose[1]))
     if alpha != 1.0:
         out *= alpha
     if c is not None:
@@ -77,12 +78,13 @@ def _mm_backward(ctx: BackwardContext, op: str = "matmul") -> list[str | None]:
         beta = ctx.attrs["beta"]
         dc = None
         if ctx.inputs[2] and ctx.needs_grad(2):
-            dc = ctx.d_out if beta == 1.0 or ctx.attrs["accumulate"] else ctx.emit("scale", ctx.d_out, factor=beta)
+            keep = beta == 1.0 or ctx.attrs["accumulate"]
+            dc = ctx.d_out if keep else ctx.emit("scale", ctx.d_out, factor=beta)
         grads.append(dc)
     return grads
 
 
-def _mm_cost(shapes: list[tuple[int, ...]], attrs: dict) -> Cost:  # type: ignore[type-arg]
+def _mm_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Cost:
     a, b = shapes[0], shapes[1]
     k = a[-2] if attrs["transpose"][0] == "T" else a[-1]
     n_out = int(np.prod(a[:-2] or (1,))) * (a[-1] if attrs["transpose"][0] == "T" else a[-2]) * \
@@ -109,7 +111,8 @@ def _bmm_samples(rng: np.random.Generator) -> Iterator[Sample]:
 
 
 def _matmul_bias(x: np.ndarray, w: np.ndarray, bias: np.ndarray, *, transpose: str) -> np.ndarray:
-    return np.matmul(_op(x, transpose[0]), _op(w, transpose[1])) + bias
+    out: np.ndarray = np.matmul(_op(x, transpose[0]), _op(w, transpose[1])) + bias
+    return out
 
 
 def _matmul_bias_infer(ctx: InferContext) -> list[TensorType]:
