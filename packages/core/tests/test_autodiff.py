@@ -238,3 +238,15 @@ def test_repeated_layers_are_differentiated_once_not_per_layer() -> None:
     emb = next(op for op in b64.ops if op.type == "embedding_backward")
     assert emb.inputs[0] == calls[0].outputs[0]
     assert any(op.type == "add" and op.outputs[0] == "d_embed" for op in b64.ops)
+
+
+def test_a_module_with_an_explicit_backward_is_validated_by_verify() -> None:
+    from kiln.core import IRError
+    from kiln.core.ir import Module, ParamSpec
+
+    bwd = _bwd(Op("matmul", ["d_loss", "saved.x"], ["d_w"], {"transpose": "TN"}))
+    good = Module("lin", params=[ParamSpec("w", ["O", "C"], "fp32")], forward=FWD.evolve(save=("x",)), backward=bwd)
+    good.verify(registry=REG)
+    with pytest.raises(IRError) as err:
+        good.evolve(forward=FWD).verify(registry=REG)  # x is no longer saved
+    assert err.value.code == "E006" and "saved.x" in str(err.value)

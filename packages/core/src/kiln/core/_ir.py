@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 from attrs import field
 
-from kiln.core._dims import DimExpr, Shape, parse_dim, parse_shape, shape_to_json
+from kiln.core._dims import Const, DimExpr, Shape, parse_dim, parse_shape
 from kiln.core._errors import IRError, KilnError
 
 IR_VERSION = 1
@@ -168,7 +168,13 @@ def _tuple_of(cls: type[T]) -> Callable[[Any], tuple[T, ...]]:
     def conv(value: Any) -> tuple[T, ...]:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise IRError(f"expected a list of {cls.__name__}, found {value!r:.60}", code="E003")
-        return tuple(_decode(cls, v) if not isinstance(v, cls) else v for v in value)
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(v if isinstance(v, cls) else _decode(cls, v))
+            except KilnError as exc:
+                raise IRError(f"item {i}: {exc.message}", code=exc.code or "E003", hint=exc.hint) from None
+        return tuple(out)
 
     return conv
 
@@ -192,7 +198,8 @@ def _encode(value: Any) -> Any:
         out: dict[str, Any] = {}
         for f in attrs.fields(type(value)):
             v = getattr(value, f.name)
-            if f.default is not attrs.NOTHING and v == f.default and not f.metadata.get("always"):
+            default = f.default.factory() if isinstance(f.default, attrs.Factory) else f.default  # type: ignore[arg-type]
+            if default is not attrs.NOTHING and v == default and not f.metadata.get("always"):
                 continue
             out[f.name] = _encode(v)
         return out
@@ -209,15 +216,35 @@ def _decode(cls: type[T], data: Any) -> T:
     names = {f.name for f in attrs.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names - {"kiln_ir", "ir"})
     if unknown:
-        raise IRError(f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}", code="E003",
-                      hint=f"known fields: {', '.join(sorted(names))}")
+        raise IRError(
+            f"{cls.__name__}: unknown field(s) {', '.join(map(repr, unknown))}",
+            code="E003",
+            hint=f"known fields: {', '.join(sorted(names))}",
+        )
     kwargs = {k: v for k, v in data.items() if k in names}
+    required = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING]  # type: ignore[arg-type]
+    missing = ", ".join(repr(n) for n in required if n not in kwargs)
+    if missing:
+        raise IRError(f"{cls.__name__}: missing required field(s) {missing}", code="E003")
     try:
         return cls(**kwargs)
     except KilnError as exc:
-        raise IRError(f"{cls.__name__}: {exc.message}", code=exc.code or "E003", hint=exc.hint) from None
-    except TypeError as exc:  # a missing required field
-        raise IRError(f"{cls.__name__}: {exc}", code="E003") from None
+        raise IRError(
+            f"{cls.__name__}{_failing_field(cls, kwargs)}: {exc.message}",
+            code=exc.code or "E003",
+            hint=exc.hint,
+        ) from None
+
+
+def _failing_field(cls: type, kwargs: Mapping[str, Any]) -> str:
+    """``.name`` of the first field whose converter rejects its value (attrs does not say which)."""
+    for f in attrs.fields(cls):
+        try:
+            if f.name in kwargs and f.converter is not None:
+                f.converter(kwargs[f.name])
+        except KilnError:
+            return f".{f.name}"
+    return ""
 
 
 class _IRNode:
@@ -237,7 +264,7 @@ class _IRNode:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     def evolve(self: T, **changes: Any) -> T:
-        return attrs.evolve(self, **changes)  # type: ignore[misc]
+        return attrs.evolve(self, **changes)
 
 
 def from_json(data: str | bytes | Mapping[str, Any]) -> Any:
@@ -250,13 +277,17 @@ def from_json(data: str | bytes | Mapping[str, Any]) -> Any:
     if not isinstance(data, Mapping):
         raise IRError(f"IR JSON must be an object, found {type(data).__name__}", code="E001")
     version = data.get("kiln_ir")
-    if version != IR_VERSION:
-        raise IRError(f"unsupported IR version {version!r}; this kiln reads \"kiln_ir\": {IR_VERSION}",
-                      code="E001", hint="was this file written by a newer kiln?")
+    if type(version) is not int or version != IR_VERSION:  # True and 1.0 equal 1 but are not versions
+        raise IRError(
+            f'unsupported IR version {version!r}; this kiln reads "kiln_ir": {IR_VERSION}',
+            code="E001",
+            hint="was this file written by a newer kiln?",
+        )
     tag = data.get("ir")
-    if tag not in _IR_CLASSES:
-        raise IRError(f"unknown IR object {tag!r}; expected one of {', '.join(sorted(_IR_CLASSES))}",
-                      code="E001")
+    if not isinstance(tag, str) or tag not in _IR_CLASSES:
+        raise IRError(
+            f"unknown IR object {tag!r}; expected one of {', '.join(sorted(_IR_CLASSES))}", code="E001"
+        )
     try:
         return _decode(_IR_CLASSES[tag], data)
     except RecursionError:
@@ -307,8 +338,9 @@ class Op(_IRNode):
 
     def __str__(self) -> str:
         attrs_text = ", ".join(f"{k}={json.dumps(thaw(v))}" for k, v in self.attrs.items())
-        return (f"{', '.join(self.outputs)} = {self.type}({', '.join(i or '_' for i in self.inputs)})"
-                + (f" {{{attrs_text}}}" if attrs_text else ""))
+        return f"{', '.join(self.outputs)} = {self.type}({', '.join(i or '_' for i in self.inputs)})" + (
+            f" {{{attrs_text}}}" if attrs_text else ""
+        )
 
 
 @attrs.frozen
@@ -338,7 +370,9 @@ class Graph(_IRNode):
 
     def pretty(self, mark: int | None = None, window: tuple[int, int] | None = None) -> str:
         lo, hi = window or (0, len(self.ops))
-        lines = [f"%{i:<3}{'>>' if i == mark else '  '} {op}" for i, op in enumerate(self.ops) if lo <= i < hi]
+        lines = [
+            f"%{i:<3}{'>>' if i == mark else '  '} {op}" for i, op in enumerate(self.ops) if lo <= i < hi
+        ]
         return "\n".join(lines)
 
     def verify(self, *, registry: Any = None) -> None:
@@ -352,7 +386,7 @@ class LoraTarget(_IRNode):
     """A LoRA-targetable slice of a (possibly fused) weight: rows ``[start, start + size)`` of ``dim``."""
 
     name: str = field(converter=_str)
-    start: DimExpr = field(default=0, converter=parse_dim)
+    start: DimExpr = field(default=Const(0), converter=parse_dim)
     size: DimExpr | None = field(default=None, converter=_opt(parse_dim))
     dim: int = field(default=0, converter=_typed(int))
 
@@ -456,8 +490,10 @@ class Bundle(_IRNode):
         for m in self.modules:
             if m.name == name:
                 return m
-        raise IRError(f"no module named {name!r} in this bundle; it has {', '.join(m.name for m in self.modules)}",
-                      code="E002")
+        raise IRError(
+            f"no module named {name!r} in this bundle; it has {', '.join(m.name for m in self.modules)}",
+            code="E002",
+        )
 
     def verify(self, *, registry: Any = None) -> None:
         from kiln.core._verify import verify

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.core._dims import dims_equal
-from kiln.core._errors import Diagnostic, IRError, KilnError
+from kiln.core._dims import Shape, dims_equal
+from kiln.core._errors import Diagnostic, DimError, IRError, KilnError
 from kiln.core._ir import Bundle, Graph, Module, Op, TensorType
 
 #: Ops the IR understands structurally rather than through the op registry.
@@ -21,26 +21,45 @@ def _where(graph: Graph, i: int) -> str:
     return f"graph {graph.name!r}, op %{i} ({graph.ops[i].type}):\n{graph.pretty(mark=i, window=(lo, hi))}"
 
 
-def check_graph(graph: Graph, registry: Any, modules: Mapping[str, Module] | None = None,
-                external: frozenset[str] = frozenset()) -> list[Diagnostic]:
+def check_graph(
+    graph: Graph,
+    registry: Any,
+    modules: Mapping[str, Module] | None = None,
+    external: frozenset[str] = frozenset(),
+) -> list[Diagnostic]:
     """All diagnostics for one graph. ``external`` names tensors defined outside (e.g. ``saved.x``)."""
     diags: list[Diagnostic] = []
     seen: set[str] = set()
     for d in (*graph.inputs, *graph.params):
         if d.name in seen:
-            diags.append(Diagnostic("E009", f"tensor {d.name!r} is declared twice as an input or parameter",
-                                    location=f"graph {graph.name!r}"))
+            diags.append(
+                Diagnostic(
+                    "E009",
+                    f"tensor {d.name!r} is declared twice as an input or parameter",
+                    location=f"graph {graph.name!r}",
+                )
+            )
         seen.add(d.name)
     producers: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
         for out in op.outputs:
             if not out:
-                diags.append(Diagnostic("E003", f"op {op.type!r} has an empty output name", location=_where(graph, i)))
+                if op.type != "call_backward":  # "" there: an input of the call that gets no gradient
+                    diags.append(
+                        Diagnostic(
+                            "E003", f"op {op.type!r} has an empty output name", location=_where(graph, i)
+                        )
+                    )
             elif out in seen or out in producers:
                 first = f"op %{producers[out]}" if out in producers else "an input or parameter"
-                diags.append(Diagnostic("E017", f"tensor {out!r} is defined again (first by {first})",
-                                        hint="every tensor is assigned exactly once (SSA); give it a new name",
-                                        location=_where(graph, i)))
+                diags.append(
+                    Diagnostic(
+                        "E017",
+                        f"tensor {out!r} is defined again (first by {first})",
+                        hint="every tensor is assigned exactly once (SSA); give it a new name",
+                        location=_where(graph, i),
+                    )
+                )
             else:
                 producers[out] = i
 
@@ -51,9 +70,14 @@ def check_graph(graph: Graph, registry: Any, modules: Mapping[str, Module] | Non
             if not name or name in seen or name in external or name.startswith("saved."):
                 continue
             if name not in producers:
-                diags.append(Diagnostic("E002", f"op {op.type!r} reads {name!r}, which is never defined",
-                                        hint="declare it as a graph input or parameter, or produce it by an op",
-                                        location=_where(graph, i)))
+                diags.append(
+                    Diagnostic(
+                        "E002",
+                        f"op {op.type!r} reads {name!r}, which is never defined",
+                        hint="declare it as a graph input or parameter, or produce it by an op",
+                        location=_where(graph, i),
+                    )
+                )
             elif producers[name] >= i:
                 late.append((i, name))
     cycle = _find_cycle(graph, producers)
@@ -62,18 +86,31 @@ def check_graph(graph: Graph, registry: Any, modules: Mapping[str, Module] | Non
         diags.append(Diagnostic("E007", f"circular dependency: {text}", location=_where(graph, cycle[0])))
     else:
         for i, name in late:
-            diags.append(Diagnostic("E002", f"op {graph.ops[i].type!r} reads {name!r} before op "
-                                            f"%{producers[name]} defines it",
-                                    hint="list ops in dependency order", location=_where(graph, i)))
+            diags.append(
+                Diagnostic(
+                    "E002",
+                    f"op {graph.ops[i].type!r} reads {name!r} before op %{producers[name]} defines it",
+                    hint="list ops in dependency order",
+                    location=_where(graph, i),
+                )
+            )
     for d in graph.outputs:
         if d.name not in producers and d.name not in seen:
-            diags.append(Diagnostic("E002", f"graph output {d.name!r} is never produced",
-                                    location=f"graph {graph.name!r}"))
+            diags.append(
+                Diagnostic(
+                    "E002", f"graph output {d.name!r} is never produced", location=f"graph {graph.name!r}"
+                )
+            )
     for kind, names in (("save", graph.save), ("recompute", graph.recompute)):
         for name in names:
             if name not in producers and name not in seen:
-                diags.append(Diagnostic("E002", f"{kind} list names {name!r}, which is not a tensor of the graph",
-                                        location=f"graph {graph.name!r}"))
+                diags.append(
+                    Diagnostic(
+                        "E002",
+                        f"{kind} list names {name!r}, which is not a tensor of the graph",
+                        location=f"graph {graph.name!r}",
+                    )
+                )
 
     # Op schemas and types.
     types: dict[str, TensorType] = {d.name: d.type for d in (*graph.inputs, *graph.params)}
@@ -83,17 +120,27 @@ def check_graph(graph: Graph, registry: Any, modules: Mapping[str, Module] | Non
             diags.extend(_check_call(graph, i, op, modules))
             continue
         if op.type not in registry:
-            diags.append(Diagnostic("E014", f"unknown op {op.type!r}",
-                                    hint="is the plugin that provides it installed? `kiln plugins` lists them",
-                                    location=_where(graph, i)))
+            diags.append(
+                Diagnostic(
+                    "E014",
+                    f"unknown op {op.type!r}",
+                    hint="is the plugin that provides it installed? `kiln plugins` lists them",
+                    location=_where(graph, i),
+                )
+            )
             continue
         opdef = registry[op.type]
         bad = opdef.arity_ok(len(op.inputs), len(op.outputs))
         if bad:
-            diags.append(Diagnostic("E003", f"op {op.type!r} takes {bad}, found {len(op.inputs)} inputs and "
-                                            f"{len(op.outputs)} outputs",
-                                    hint=f"signature: ({', '.join(opdef.inputs)}) -> ({', '.join(opdef.outputs)})",
-                                    location=_where(graph, i)))
+            diags.append(
+                Diagnostic(
+                    "E003",
+                    f"op {op.type!r} takes {bad}, found {len(op.inputs)} inputs and "
+                    f"{len(op.outputs)} outputs",
+                    hint=f"signature: ({', '.join(opdef.inputs)}) -> ({', '.join(opdef.outputs)})",
+                    location=_where(graph, i),
+                )
+            )
             continue
         try:
             resolved = opdef.resolve_attrs(op.attrs)
@@ -111,37 +158,73 @@ def check_graph(graph: Graph, registry: Any, modules: Mapping[str, Module] | Non
             diags.append(Diagnostic(exc.code or "E004", exc.message, location=_where(graph, i)))
             continue
         except Exception as exc:  # a shape rule tripping over hostile attrs must not escape
-            diags.append(Diagnostic("E004", f"op {op.type!r}: shape rule failed on these inputs: "
-                                            f"{type(exc).__name__}: {exc}", location=_where(graph, i)))
+            diags.append(
+                Diagnostic(
+                    "E004",
+                    f"op {op.type!r}: shape rule failed on these inputs: {type(exc).__name__}: {exc}",
+                    location=_where(graph, i),
+                )
+            )
             continue
         for name, t in zip(op.outputs, outs, strict=False):
             decl = declared.get(name)
             if decl is not None and decl.dtype != t.dtype:
-                diags.append(Diagnostic("E003", f"tensor {name!r} is declared {decl.dtype} but op {op.type!r} "
-                                                f"produces {t.dtype}", location=_where(graph, i)))
-            elif decl is not None and (len(decl.shape) != len(t.shape) or not all(
-                    dims_equal(a, b) for a, b in zip(decl.shape, t.shape, strict=True))):
-                diags.append(Diagnostic("E004", f"tensor {name!r} is declared [{', '.join(map(str, decl.shape))}] "
-                                                f"but op {op.type!r} produces [{', '.join(map(str, t.shape))}]",
-                                        location=_where(graph, i)))
+                diags.append(
+                    Diagnostic(
+                        "E003",
+                        f"tensor {name!r} is declared {decl.dtype} but op {op.type!r} produces {t.dtype}",
+                        location=_where(graph, i),
+                    )
+                )
+            elif decl is not None and not _same_shape(decl.shape, t.shape):
+                diags.append(
+                    Diagnostic(
+                        "E004",
+                        f"tensor {name!r} is declared [{', '.join(map(str, decl.shape))}] "
+                        f"but op {op.type!r} produces [{', '.join(map(str, t.shape))}]",
+                        location=_where(graph, i),
+                    )
+                )
             types.setdefault(name, decl.type if decl is not None else t)
     return diags
+
+
+def _same_shape(a: Shape, b: Shape) -> bool:
+    try:
+        return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b, strict=True))
+    except DimError:  # too large to simplify: report a mismatch rather than fail to report at all
+        return False
 
 
 def _check_call(graph: Graph, i: int, op: Op, modules: Mapping[str, Module] | None) -> list[Diagnostic]:
     target = op.attrs.get("module")
     if not isinstance(target, str):
-        return [Diagnostic("E003", "op 'call' needs a string attribute 'module'", location=_where(graph, i))]
+        return [
+            Diagnostic("E003", f"op {op.type!r} needs a string attribute 'module'", location=_where(graph, i))
+        ]
     if modules is None:
         return []
     callee = modules.get(target)
     if callee is None or callee.forward is None:
-        return [Diagnostic("E002", f"op 'call' names module {target!r}, which is not in this bundle",
-                           location=_where(graph, i))]
+        return [
+            Diagnostic(
+                "E002",
+                f"op {op.type!r} names module {target!r}, which is not in this bundle",
+                location=_where(graph, i),
+            )
+        ]
     n_in, n_out = len(callee.forward.inputs), len(callee.forward.outputs)
+    if op.type == "call_backward":  # (d_outputs..., saved inputs...) -> (d_inputs..., d_params)
+        n_in, n_out = n_out + n_in, n_in + 1
     if len(op.inputs) != n_in or len(op.outputs) != n_out:
-        return [Diagnostic("E003", f"module {target!r} takes {n_in} inputs and returns {n_out} outputs; the call "
-                                   f"passes {len(op.inputs)} and names {len(op.outputs)}", location=_where(graph, i))]
+        return [
+            Diagnostic(
+                "E003",
+                f"{op.type} of module {target!r} takes {n_in} inputs and returns {n_out} "
+                f"outputs; it passes {len(op.inputs)} and names {len(op.outputs)}",
+                location=_where(graph, i),
+            )
+        ]
     return []
 
 
@@ -162,7 +245,7 @@ def _find_cycle(graph: Graph, producers: Mapping[str, int]) -> list[int]:
                 stack.append((node, k + 1))
                 nxt = deps[node][k]
                 if state[nxt] == 1:
-                    return list(reversed(path[path.index(nxt):]))
+                    return list(reversed(path[path.index(nxt) :]))
                 if state[nxt] == 0:
                     stack.append((nxt, 0))
             else:
@@ -171,8 +254,9 @@ def _find_cycle(graph: Graph, producers: Mapping[str, int]) -> list[int]:
     return []
 
 
-def diagnostics(obj: Graph | Module | Bundle, *, registry: Any = None,
-                modules: Mapping[str, Module] | None = None) -> list[Diagnostic]:
+def diagnostics(
+    obj: Graph | Module | Bundle, *, registry: Any = None, modules: Mapping[str, Module] | None = None
+) -> list[Diagnostic]:
     """Every diagnostic for ``obj`` (errors and warnings), without raising."""
     if registry is None:
         from kiln.core._oplib import op_registry
@@ -180,8 +264,10 @@ def diagnostics(obj: Graph | Module | Bundle, *, registry: Any = None,
         registry = op_registry()
     if isinstance(obj, Bundle):
         mods = {m.name: m for m in obj.modules}
-        out = [Diagnostic("E009", f"module {name!r} appears twice in the bundle")
-               for name in {m.name for m in obj.modules if sum(x.name == m.name for x in obj.modules) > 1}]
+        out = [
+            Diagnostic("E009", f"module {name!r} appears twice in the bundle")
+            for name in {m.name for m in obj.modules if sum(x.name == m.name for x in obj.modules) > 1}
+        ]
         if obj.entry is not None and obj.entry not in mods:
             out.append(Diagnostic("E002", f"entry module {obj.entry!r} is not in the bundle"))
         for m in obj.modules:
@@ -191,15 +277,30 @@ def diagnostics(obj: Graph | Module | Bundle, *, registry: Any = None,
         out = []
         names = [p.name for p in obj.params]
         for name in sorted({n for n in names if names.count(n) > 1}):
-            out.append(Diagnostic("E009", f"parameter {name!r} is declared twice", location=f"module {obj.name!r}"))
+            out.append(
+                Diagnostic("E009", f"parameter {name!r} is declared twice", location=f"module {obj.name!r}")
+            )
         for g in (obj.forward, obj.backward):
             if g is not None:
                 out.extend(check_graph(g, registry, modules))
+        if obj.forward is not None and obj.backward is not None:  # an explicit backward graph
+            from kiln.core._autodiff import check_backward
+
+            frozen = [p.name for p in obj.params if p.frozen]
+            out.extend(
+                check_backward(
+                    obj.forward, obj.backward, obj.forward.save, registry=registry, stop_gradients=frozen
+                )
+            )
         return out
+    if not isinstance(obj, Graph):
+        raise IRError(f"verify checks a Graph, Module or Bundle, found {type(obj).__name__}", code="E003")
     return check_graph(obj, registry, modules)
 
 
-def verify(obj: Graph | Module | Bundle, *, registry: Any = None, modules: Mapping[str, Module] | None = None) -> None:
+def verify(
+    obj: Graph | Module | Bundle, *, registry: Any = None, modules: Mapping[str, Module] | None = None
+) -> None:
     """Raise :class:`IRError` listing every error in ``obj``; warnings don't raise."""
     errors = [d for d in diagnostics(obj, registry=registry, modules=modules) if d.is_error]
     if errors:
