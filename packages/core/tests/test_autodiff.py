@@ -245,8 +245,29 @@ def test_a_module_with_an_explicit_backward_is_validated_by_verify() -> None:
     from kiln.core.ir import Module, ParamSpec
 
     bwd = _bwd(Op("matmul", ["d_loss", "saved.x"], ["d_w"], {"transpose": "TN"}))
-    good = Module("lin", params=[ParamSpec("w", ["O", "C"], "fp32")], forward=FWD.evolve(save=("x",)), backward=bwd)
+    good = Module("lin", params=[ParamSpec("w", ["O", "C"], "fp32")], forward=FWD.evolve(save=("x",)),
+                  backward=bwd)
     good.verify(registry=REG)
     with pytest.raises(IRError) as err:
         good.evolve(forward=FWD).verify(registry=REG)  # x is no longer saved
     assert err.value.code == "E006" and "saved.x" in str(err.value)
+
+
+def test_rule_registry_api() -> None:
+    from kiln.core import OpDef, OpError, TensorType, register_op, reset_plugins
+    from kiln.core.autodiff import has_rule, register_rule, registered_ops
+
+    assert has_rule("matmul") and "matmul" in registered_ops() and "rmsnorm_backward" not in registered_ops()
+    try:
+        same = lambda c: [TensorType(c.shape(0), c.dtype(0))]  # noqa: E731
+        register_op(OpDef("api_probe", ("x",), ("y",), lambda x: 2 * x, same))
+        assert not has_rule("api_probe")
+        register_rule("api_probe", lambda ctx: [ctx.emit("scale", ctx.d_out, factor=2.0)])
+        assert has_rule("api_probe") and "api_probe" in registered_ops()
+        with pytest.raises(OpError, match="already has a backward rule"):
+            register_rule("api_probe", lambda ctx: [None])
+        g = Graph("g", inputs=[TensorDecl("x", ["N"], "fp32")], ops=[Op("api_probe", ["x"], ["loss"])],
+                  outputs=[TensorDecl("loss", ["N"], "fp32")])
+        assert [op.type for op in derive_backward(g).backward.ops] == ["scale"]
+    finally:
+        reset_plugins()  # drop the run-time op from the process-wide registry
