@@ -1,5 +1,6 @@
 """Ahead-of-time autodiff: derive a backward graph from a forward graph (public API)."""
 
+from kiln.core import register_backward_rule
 from kiln.core._autodiff import (
     NONDIFF_PATTERNS,
     BackwardResult,
@@ -12,13 +13,8 @@ from kiln.core._autodiff import (
 )
 from kiln.core._ops import BackwardContext, no_gradient
 
-
-def register_rule(op_type: str, rule, *, replace: bool = False) -> None:  # type: ignore[no-untyped-def]
-    """Attach the backward rule ``rule(ctx) -> [grad name or None per input]`` to a registered op."""
-    from kiln.core._oplib import op_registry
-
-    op_registry().set_backward(op_type, rule, replace=replace)
-
+# seed 002's name for kiln.core.register_backward_rule (one mechanism, two spellings)
+register_rule = register_backward_rule
 
 __all__ = [
     "NONDIFF_PATTERNS",
