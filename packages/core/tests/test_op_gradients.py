@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.core import no_gradient, op_registry
-from kiln.core._gradcheck import check_op
+from kiln.core import check_op, no_gradient, op_registry
 
 REGISTRY = op_registry()
 DIFFERENTIABLE = sorted(name for name, opdef in REGISTRY.items()

@@ -11,6 +11,7 @@ from kiln.core._errors import (
     OpError,
     PluginError,
 )
+from kiln.core._gradcheck import GradReport, check_op
 from kiln.core._hookspecs import hookimpl
 from kiln.core._ir import TensorType
 from kiln.core._ops import (
@@ -56,6 +57,7 @@ __all__ = [
     "Cost",
     "Diagnostic",
     "DimError",
+    "GradReport",
     "IRError",
     "InferContext",
     "KilnError",
@@ -68,6 +70,7 @@ __all__ = [
     "Sample",
     "TensorType",
     "__version__",
+    "check_op",
     "get_registry",
     "hookimpl",
     "list_plugins",

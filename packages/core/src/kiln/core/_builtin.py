@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -11,13 +10,9 @@ from kiln.core._hookspecs import hookimpl
 
 @hookimpl
 def kiln_register_ops(registry: Any) -> None:
-    try:
-        oplib = importlib.import_module("kiln.core._oplib")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kiln.core._oplib":
-            raise
-        return
-    oplib.register_core_ops(registry)
+    from kiln.core._oplib import register_core_ops
+
+    register_core_ops(registry)
 
 
 @hookimpl

@@ -7,20 +7,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kiln.core._ops import OpRegistry
 
-_MODULES = ("_linalg", "_elementwise", "_norms", "_attention", "_tensor", "_loss", "_moe")
-
-
 def register_core_ops(registry: OpRegistry) -> None:
     """Register every core op (called through core's own ``kiln_register_ops`` hook)."""
-    import importlib
+    from kiln.core._oplib import _attention, _elementwise, _linalg, _loss, _moe, _norms, _tensor
 
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(f"kiln.core._oplib.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"kiln.core._oplib.{name}":
-                raise
-            continue
+    for module in (_linalg, _elementwise, _norms, _attention, _tensor, _loss, _moe):
         for opdef in module.OPS:
             registry.register_op(opdef)
 
