@@ -62,6 +62,17 @@ def tests_package(session: nox.Session, folder: str) -> None:
     session.run("pytest", str(tests), *session.posargs, success_codes=[0] if has_tests else [0, 5])
 
 
+@nox.session(reuse_venv=True, venv_backend="venv")
+def parity(session: nox.Session) -> None:
+    """Tests marked `parity`: kiln against PyTorch/transformers/peft on tiny models made in the tests.
+
+    pip (the venv backend) because the CPU build of torch==2.13.0 is found by pip only; uv would
+    download a multi-GB CUDA build.
+    """
+    _install_editable(session, "-e", FIXTURE_PLUGIN, *TEST_TOOLS, "torch==2.13.0", "transformers", "peft")
+    session.run("pytest", "-m", "parity", *session.posargs)
+
+
 @nox.session(reuse_venv=True)
 def lint(session: nox.Session) -> None:
     """ruff over all code; mypy --strict over kiln.core (settings in pyproject.toml)."""
