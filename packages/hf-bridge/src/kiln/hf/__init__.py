@@ -2,6 +2,32 @@
 
 from importlib.metadata import version
 
+from kiln.hf._data import IGNORE_INDEX, PackedDataset
+from kiln.hf._errors import CheckpointError, DataError, HFConfigError
+from kiln.hf._rope import ROPE_TYPES, rope_inv_freq, rope_parameters, rope_table
+from kiln.hf._safetensors import Checkpoint, TensorInfo, open_checkpoint, parse_size, save_checkpoint
+from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+
 __version__ = version("kiln-hf")
 
-__all__ = ["__version__"]
+__all__ = [
+    "EOS_TOKEN",
+    "IGNORE_INDEX",
+    "ROPE_TYPES",
+    "Checkpoint",
+    "CheckpointError",
+    "DataError",
+    "HFConfigError",
+    "PackedDataset",
+    "TensorInfo",
+    "__version__",
+    "load_tokenizer",
+    "open_checkpoint",
+    "parse_size",
+    "rope_inv_freq",
+    "rope_parameters",
+    "rope_table",
+    "save_checkpoint",
+    "save_tokenizer",
+    "train_bpe_tokenizer",
+]
