@@ -14,6 +14,8 @@ from kiln.core._errors import (
 from kiln.core._gradcheck import GradReport, check_op
 from kiln.core._hookspecs import hookimpl
 from kiln.core._ir import TensorType
+from kiln.core._model import Model
+from kiln.core._numpy_backend import NumpyBackend
 from kiln.core._ops import (
     AttrSpec,
     BackwardContext,
@@ -24,7 +26,9 @@ from kiln.core._ops import (
     Sample,
     no_gradient,
 )
+from kiln.core._optim import AdamW
 from kiln.core._plugins import get_registry, list_plugins, plugin_manager, register_plugin, reset_plugins
+from kiln.core._program import Program, RecomputePlan, Slot, Step, Tensor, compile
 from kiln.core._registry import NamedRegistry, PluginInfo
 
 try:
@@ -51,6 +55,7 @@ def register_backward_rule(op_type: str, rule, *, replace: bool = False) -> None
 
 
 __all__ = [
+    "AdamW",
     "AttrSpec",
     "AutodiffError",
     "BackwardContext",
@@ -61,16 +66,24 @@ __all__ = [
     "IRError",
     "InferContext",
     "KilnError",
+    "Model",
     "NamedRegistry",
+    "NumpyBackend",
     "OpDef",
     "OpError",
     "OpRegistry",
     "PluginError",
     "PluginInfo",
+    "Program",
+    "RecomputePlan",
     "Sample",
+    "Slot",
+    "Step",
+    "Tensor",
     "TensorType",
     "__version__",
     "check_op",
+    "compile",
     "get_registry",
     "hookimpl",
     "list_plugins",

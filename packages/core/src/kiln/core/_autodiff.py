@@ -78,12 +78,14 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
         if op.type != "call":
             registry.get_op(op.type)  # unknown ops fail here, with E014
     producers = graph.producers()
-    types = infer_types(graph, registry)
+    call_outs: list[TensorDecl] = []  # typed from the callee, so that ops after a call get types too
     for op in graph.ops:
         if op.type == "call":
             callee = _callee(op, modules)
             assert callee.forward is not None
-            types.update({o: d.type for o, d in zip(op.outputs, callee.forward.outputs, strict=True)})
+            outs = zip(op.outputs, callee.forward.outputs, strict=True)
+            call_outs += [attrs.evolve(d, name=o) for o, d in outs]
+    types = infer_types(graph.evolve(intermediates=(*graph.intermediates, *call_outs)), registry)
     params = frozenset(d.name for d in graph.params)
     graph_inputs = frozenset(d.name for d in graph.inputs)
     stops = set(opts.stop_gradients)
@@ -252,9 +254,15 @@ def _callee(op: Op, modules: Mapping[str, Module]) -> Module:
 
 def block_backward(module: Module, options: DeriveBackwardOptions, registry: OpRegistry,
                    modules: Mapping[str, Module]) -> BackwardResult:
-    """The backward of a block body: every output is differentiated, every float input gets a gradient."""
+    """The backward of a block body: every output is differentiated, every float input gets a gradient.
+
+    Stop-gradients are scoped: of ``options.stop_gradients`` only names of the block's own graph
+    apply, plus the block's frozen parameters."""
     assert module.forward is not None
-    opts = attrs.evolve(options, loss_name=None)
+    names = {*module.forward.decls(), *module.forward.producers()}
+    stops = [s for s in options.stop_gradients if s in names]
+    stops += [p.name for p in module.params if p.frozen and p.name in names]
+    opts = attrs.evolve(options, loss_name=None, stop_gradients=tuple(dict.fromkeys(stops)))
     return derive_backward(module.forward, opts, registry=registry, modules=modules)
 
 

@@ -20,3 +20,10 @@ def kiln_cli_commands(register: Callable[..., None]) -> None:
     from kiln.core._cli import run_plugins
 
     register("plugins", help="list the loaded plugins with their distribution and version", run=run_plugins)
+
+
+@hookimpl
+def kiln_register_backends(registry: Any) -> None:
+    from kiln.core._numpy_backend import NumpyBackend
+
+    registry.register("numpy", NumpyBackend())

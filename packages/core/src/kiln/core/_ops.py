@@ -151,6 +151,11 @@ class OpDef:
     #: indices of inputs that never receive a gradient (indices, masks), whatever their dtype
     nondiff_inputs: frozenset[int] = field(default=frozenset(), converter=_frozenset)
     doc: str = ""
+    #: optional ``out_kernel(*inputs, out=(arrays...), **attrs)`` writing into preallocated outputs
+    #: (planned backends call it instead of ``kernel`` plus a copy); same results as ``kernel``
+    out_kernel: Callable[..., None] | None = None
+    #: inputs whose storage ``out_kernel``'s first output may take over (elementwise, same shape)
+    inplace: frozenset[int] = field(default=frozenset(), converter=_frozenset)
 
     @property
     def variadic_inputs(self) -> bool:

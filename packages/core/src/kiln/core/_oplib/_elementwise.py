@@ -130,6 +130,19 @@ def _broadcast_to_samples(rng: np.random.Generator) -> Iterator[Sample]:
 # Binary arithmetic
 
 
+def _ufunc_out(ufunc: np.ufunc) -> Callable[..., None]:
+    """An ``out_kernel`` for a binary op that is one ufunc (``b`` broadcasts to ``a``)."""
+
+    def kernel(a: Array, b: Array, *, out: Sequence[Array]) -> None:
+        ufunc(a, b, out=out[0])
+
+    return kernel
+
+
+def _scale_out(x: Array, *, factor: float, out: Sequence[Array]) -> None:
+    np.multiply(x, factor, out=out[0])
+
+
 def _binary_infer(ctx: InferContext) -> list[TensorType]:
     _check_broadcast(ctx, ctx.shape(1), ctx.shape(0), (), "b must have a's shape or broadcast to it")
     return [TensorType(ctx.shape(0), ctx.dtype(0))]
@@ -466,16 +479,16 @@ _AXIS = AttrSpec("axis", "int", -1)
 
 OPS = [
     OpDef("add", ("a", "b"), ("out",), lambda a, b: a + b, _binary_infer, backward=_add_backward,
-          samples=_binary_samples, cost=_ew_cost(1, 3),
+          samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.add), inplace={0},
           doc="out = a + b; b has a's shape or broadcasts to it (NumPy rules)."),
     OpDef("mul", ("a", "b"), ("out",), lambda a, b: a * b, _binary_infer, backward=_mul_backward,
-          samples=_binary_samples, cost=_ew_cost(1, 3),
+          samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.multiply), inplace={0},
           doc="out = a * b; b has a's shape or broadcasts to it (NumPy rules)."),
     OpDef("scale", ("x",), ("out",), lambda x, *, factor: x * factor, same_as(), backward=_scale_backward,
-          attrs=(AttrSpec("factor", "float"),), cost=_ew_cost(1, 2),
+          attrs=(AttrSpec("factor", "float"),), cost=_ew_cost(1, 2), out_kernel=_scale_out, inplace={0},
           samples=lambda rng: [Sample((randn(rng, 3, 4),), {"factor": -0.7})], doc="out = x * factor."),
     OpDef("bias_add", ("x", "bias"), ("out",), lambda x, bias: x + bias, _bias_add_infer,
-          backward=_bias_add_backward, cost=_ew_cost(1, 2),
+          backward=_bias_add_backward, cost=_ew_cost(1, 2), out_kernel=_ufunc_out(np.add), inplace={0},
           samples=lambda rng: [Sample((randn(rng, 2, 3, 5), randn(rng, 5))),
                                Sample((randn(rng, 4), randn(rng, 4)))],
           doc="out = x + bias, bias over x's last dim."),

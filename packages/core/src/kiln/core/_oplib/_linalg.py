@@ -34,6 +34,18 @@ def _matmul(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, *, transp
     return out
 
 
+def _matmul_out(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, *, out: Sequence[np.ndarray],
+                transpose: str, accumulate: bool, alpha: float, beta: float) -> None:
+    """``_matmul`` into a preallocated output: BLAS writes straight into it (transposed operands
+    are passed as strided views, which BLAS reads without a copy)."""
+    o = out[0]
+    np.matmul(_op(a, transpose[0]), _op(b, transpose[1]), out=o)
+    if alpha != 1.0:
+        o *= alpha
+    if c is not None:
+        o += c if beta == 1.0 or accumulate else beta * c
+
+
 def _mm_infer(ctx: InferContext, batched: bool) -> list[TensorType]:
     a, b = ctx.shape(0), ctx.shape(1)
     t = ctx.attrs["transpose"]
@@ -130,13 +142,14 @@ def _matmul_bias_backward(ctx: BackwardContext) -> list[str | None]:
 OPS = [
     OpDef(
         "matmul", ("a", "b", "c?"), ("out",), _matmul, lambda ctx: _mm_infer(ctx, False),
-        backward=_mm_backward, attrs=_MM_ATTRS, samples=_mm_samples, cost=_mm_cost,
+        backward=_mm_backward, attrs=_MM_ATTRS, samples=_mm_samples, cost=_mm_cost, out_kernel=_matmul_out,
         doc="out = alpha * op(a) @ op(b) (+ beta * c); transpose picks op() per operand (N or T).",
     ),
     OpDef(
         "batched_matmul", ("a", "b", "c?"), ("out",), _matmul, lambda ctx: _mm_infer(ctx, True),
         backward=lambda ctx: _mm_backward(ctx, "batched_matmul"), attrs=_MM_ATTRS, samples=_bmm_samples,
-        cost=_mm_cost, doc="matmul over leading batch dims (same batch dims on both operands).",
+        cost=_mm_cost, out_kernel=_matmul_out,
+        doc="matmul over leading batch dims (same batch dims on both operands).",
     ),
     OpDef(
         "matmul_bias", ("x", "w", "bias"), ("out",), _matmul_bias, _matmul_bias_infer,

@@ -1,0 +1,132 @@
+"""The NumPy backend: runs a Program as planned, every tensor a view into one preallocated arena.
+
+Binding a Program to an arena makes one view per tensor and one closure per step, once. Running
+it then allocates only what reference kernels allocate for their results (copied into the planned
+slot and freed at once); ops with an ``out_kernel`` (matmuls through BLAS, elementwise ufuncs)
+write into their slot directly, and views cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.core._errors import KilnError
+from kiln.core._ops import OpRegistry
+from kiln.core._optim import AdamW, adamw_update, global_norm
+from kiln.core._program import Program, Step
+
+Arrays = Sequence[np.ndarray | None]
+
+
+class NumpyBackend:
+    """The embedded reference backend (registered as ``numpy``)."""
+
+    name = "numpy"
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """The arena: one zeroed byte buffer."""
+        return np.zeros(nbytes, np.uint8)
+
+    def bind(self, program: Program, arena: np.ndarray, registry: OpRegistry | None = None) -> Executable:
+        return Executable(program, arena, registry)
+
+
+class Executable:
+    """A Program bound to an arena: views and step closures built once, run many times."""
+
+    def __init__(self, program: Program, arena: np.ndarray, registry: OpRegistry | None = None) -> None:
+        if arena.nbytes < program.arena_bytes:
+            raise KilnError(f"the arena has {arena.nbytes} bytes; program {program.name!r} needs "
+                            f"{program.arena_bytes}")
+        if registry is None:
+            from kiln.core._oplib import op_registry
+
+            registry = op_registry()
+        self.program, self.arena, self.registry = program, arena, registry
+        self.views: dict[str, np.ndarray] = {
+            k: arena[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+            for k, t in program.tensors.items()
+        }
+        self.opt: AdamW = AdamW()
+        self.hyper: dict[str, Any] = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0}
+        self.runs: dict[str, list[Callable[[], None]]] = {}
+        for step in program.steps:
+            fn = self._closure(step)
+            if fn is not None:
+                self.runs.setdefault(step.phase, []).append(fn)
+
+    def run(self, phases: Iterable[str] = ("forward", "backward", "optimizer"), *, opt: AdamW | None = None,
+            step: int = 1) -> dict[str, float]:
+        """Run the steps of ``phases`` in order; the optimizer phase applies update number ``step``."""
+        if opt is not None:
+            self.opt = opt
+        self.hyper["step"] = step
+        for phase in phases:
+            for fn in self.runs.get(phase, ()):
+                fn()
+        return {k: float(self.hyper[k]) for k in ("grad_norm", "lr", "scale")}
+
+    # -- closures
+
+    def _ranges(self, keys: Iterable[str]) -> list[tuple[int, int]]:
+        ts = [self.program.tensors[k] for k in keys if k]
+        return [(t.offset, t.offset + t.nbytes) for t in ts]
+
+    def _closure(self, step: Step) -> Callable[[], None] | None:
+        v = self.views
+        ins: Arrays = [v[k] if k else None for k in step.inputs]
+        outs: Arrays = [v[k] if k else None for k in step.outputs]
+        kw = dict(step.attrs)
+        where = f"step {step.index} ({step.op.type} -> {', '.join(o for o in step.outputs if o)})"
+        if step.how == "alias":
+            return None
+        if step.how == "copy":
+            src, dst = ins[0], outs[0]
+            assert src is not None and dst is not None
+            return lambda: np.copyto(dst, src.reshape(dst.shape))
+        if step.how == "optimizer":
+            return self._optimizer_closure(step, ins)
+        opdef = self.registry.get_op(step.op.type)
+        if step.how == "out":
+            out_kernel = opdef.out_kernel
+            assert out_kernel is not None
+            return lambda: out_kernel(*ins, out=outs, **kw)
+        kernel, arena = opdef.kernel, self.arena
+        # an output slot overlapping an input slot (reuse of an input that dies here): a kernel result
+        # that is a view of that input must be copied before any output is written
+        overlap = any(a < d and c < b for a, b in self._ranges(step.outputs)
+                      for c, d in self._ranges(step.inputs))
+
+        def run_kernel() -> None:
+            res = kernel(*ins, **kw)
+            results = res if isinstance(res, (tuple, list)) else (res,)
+            if overlap:
+                results = [r.copy() if np.may_share_memory(r, arena) else r for r in results]
+            for o, r in zip(outs, results, strict=True):
+                if o is None:
+                    continue
+                if np.shape(r) != o.shape:
+                    raise KilnError(f"{where}: the kernel returned shape {np.shape(r)}, "
+                                    f"the plan has {o.shape}")
+                np.copyto(o, r)
+
+        return run_kernel
+
+    def _optimizer_closure(self, step: Step, ins: Arrays) -> Callable[[], None]:
+        hyper = self.hyper
+        arrays = [a for a in ins if a is not None]
+        if step.op.type == "grad_norm":
+            def norm() -> None:
+                hyper["grad_norm"] = global_norm(arrays)
+                hyper["lr"] = self.opt.lr_at(hyper["step"])
+                hyper["scale"] = self.opt.clip_scale(hyper["grad_norm"])
+
+            return norm
+        if step.op.type == "adamw":
+            p, g, m, v, work = arrays
+            return lambda: adamw_update(p, g, m, v, work, opt=self.opt, step=hyper["step"], lr=hyper["lr"],
+                                        scale=hyper["scale"])
+        raise KilnError(f"the numpy backend has no optimizer step {step.op.type!r}")

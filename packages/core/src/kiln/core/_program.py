@@ -1,0 +1,698 @@
+"""Programs: what a backend runs. ``compile`` lowers a model's IR to ordered steps and one arena.
+
+Lowering (seed 004 §9.7.3) is three passes, each a function of the previous result:
+
+1. **schedule**: the forward graph, its backward (from ``derive_backward``; a repeated block's
+   backward is derived once and scheduled once per layer, last layer first) and the optimizer
+   update become one list of :class:`Step`, every tensor named by a unique key
+   (``blocks.3.attn.qkv`` for block tensor ``attn.qkv`` of layer 3) with a concrete shape;
+2. **lifetimes**: each tensor's first and last step; views and reshapes join the slot of their
+   input (free), and an op whose ``out_kernel`` allows it writes over an input that dies there;
+3. **placement**: weights, gradients and optimizer state first, at offsets that depend on the
+   model only (every Program of a model shares them), then the inputs, then every other slot
+   packed by lifetime (greedy by size, first fit).
+
+The recompute plan is consulted by the scheduler; only ``recompute="none"`` exists for now.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kiln.core._autodiff import DeriveBackwardOptions, derive_backward
+from kiln.core._dims import evaluate_shape, parse_dim
+from kiln.core._errors import KilnError, OpError
+from kiln.core._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
+from kiln.core._ops import InferContext, OpRegistry
+
+RECOMPUTE_MODES = ("none",)
+TRAINING_MODES = ("full", "lora")
+TASKS = ("train", "logits")
+DTYPES = ("float32", "float64")
+ALIGN = 64  # bytes; every slot starts at a multiple
+PHASES = ("forward", "backward", "optimizer")
+ALIAS_OPS = ("view", "reshape", "contiguous")  # same bytes, same order: the output shares storage
+INPUTS = ("token_ids", "position_ids", "targets")
+SEED = "d_loss"  # the backward's seed, an input of every training Program
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan objects
+
+
+@attrs.frozen
+class RecomputePlan:
+    """Which forward tensors the backward recomputes instead of reading them saved (none yet)."""
+
+    mode: str = "none"
+    recompute: tuple[str, ...] = ()
+
+
+def plan_recompute(model: Module, *, mode: str, memory_budget: int | None, training: str) -> RecomputePlan:
+    """The recompute plan the scheduler consults. Only ``"none"`` exists so far."""
+    if mode not in RECOMPUTE_MODES:
+        valid = ", ".join(map(repr, RECOMPUTE_MODES))
+        raise KilnError(f"recompute={mode!r} is not available yet; valid: {valid}",
+                        hint="dsl, auto and block recompute come with the recompute planner")
+    return RecomputePlan(mode)
+
+
+@attrs.frozen
+class Tensor:
+    """A tensor of a Program: concrete shape, NumPy dtype, and where it lives in the arena."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    slot: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@attrs.frozen
+class Slot:
+    """A range of the arena and the tensors that use it in turn (or share it, as views)."""
+
+    name: str
+    kind: str  # weight | gradient | optimizer_state | input | output | saved | transient
+    nbytes: int
+    offset: int
+    first: int
+    last: int
+    tensors: tuple[str, ...]
+
+
+@attrs.frozen
+class Step:
+    """One scheduled op. ``how``: ``kernel`` (reference kernel, result copied into the slot),
+    ``out`` (the op's ``out_kernel`` writes the slot), ``alias`` (nothing to run: the output
+    shares its input's storage), ``copy`` (a view that must land in its own slot), ``optimizer``."""
+
+    index: int
+    phase: str
+    op: Op
+    layer: int | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    how: str
+    attrs: FrozenDict = attrs.field(factory=FrozenDict)
+
+    def __str__(self) -> str:
+        where = f" [layer {self.layer}]" if self.layer is not None else ""
+        return (f"{self.index:>4} {self.phase[:3]} {self.how:<5} {', '.join(self.outputs)} = "
+                f"{self.op.type}({', '.join(i or '_' for i in self.inputs)}){where}")
+
+
+@attrs.frozen
+class ParamInfo:
+    """A parameter of the Program: its key, shape, init spec and (if trained) gradient and state keys."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: FrozenDict
+    trainable: bool
+    grad: str | None = None
+    state: tuple[str, ...] = ()
+
+
+@attrs.frozen(eq=False)
+class Program:
+    """Ordered steps (forward, backward, optimizer) and one arena plan; a backend runs it as planned."""
+
+    name: str
+    backend: str
+    task: str
+    mode: str
+    dtype: str
+    bindings: FrozenDict
+    steps: tuple[Step, ...]
+    tensors: FrozenDict  # key -> Tensor
+    slots: tuple[Slot, ...]
+    params: tuple[ParamInfo, ...]
+    persistent_bytes: int  # weights, gradients and optimizer state: the same for every Program of a model
+    arena_bytes: int
+    output: str  # "loss" (per token) or "logits"
+    recompute: RecomputePlan
+    passes: tuple[tuple[str, float], ...]  # (pass, seconds)
+
+    def phase(self, name: str) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.phase == name)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena."""
+        by_kind = {k: 0 for k in ("weight", "gradient", "optimizer_state", "input", "output", "saved")}
+        for s in self.slots:
+            if s.kind in by_kind:
+                by_kind[s.kind] += s.nbytes
+        fixed = sum(by_kind.values())
+        return {
+            "weights": by_kind["weight"], "gradients": by_kind["gradient"],
+            "optimizer_state": by_kind["optimizer_state"], "inputs": by_kind["input"],
+            "outputs": by_kind["output"],
+            "saved_activations": by_kind["saved"], "transient": self.arena_bytes - fixed,
+            "peak": self.arena_bytes,
+            "slots": [{"name": s.name, "kind": s.kind, "bytes": s.nbytes, "offset": s.offset,
+                       "lifetime": (s.first, s.last), "tensors": list(s.tensors)} for s in self.slots],
+        }
+
+    def pretty(self) -> str:
+        return "\n".join(str(s) for s in self.steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile
+
+
+def _int_config(module: Module) -> dict[str, int]:
+    return {k: v for k, v in module.config.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _resolve(module_ir: Bundle | Module,
+             modules: Mapping[str, Module] | None) -> tuple[Module, dict[str, Module]]:
+    if isinstance(module_ir, Bundle):
+        if module_ir.entry is None:
+            raise KilnError("the Bundle has no entry module; set Bundle(entry=<model name>)", code="E002")
+        mods = {m.name: m for m in module_ir.modules}
+        model = module_ir.module(module_ir.entry)
+    elif isinstance(module_ir, Module):
+        model, mods = module_ir, {}
+    else:
+        raise KilnError(f"compile expects a Bundle or a model Module, found {type(module_ir).__name__}")
+    mods.update(modules or {})
+    if model.forward is None:
+        raise KilnError(f"module {model.name!r} has no forward graph", code="E002")
+    return model, mods
+
+
+def _choice(what: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise KilnError(f"{what}={value!r} is not valid; expected one of {', '.join(map(repr, valid))}")
+
+
+def _trains(spec: ParamSpec, mode: str) -> bool:
+    """Full fine-tuning trains every unfrozen parameter; LoRA only adapter parameters (``lora_*``)."""
+    return not spec.frozen and (mode == "full" or spec.name.rsplit(".", 1)[-1].startswith("lora_"))
+
+
+def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping[str, int],
+                 mode: str) -> list[tuple[str, ParamSpec, tuple[int, ...], bool]]:
+    """Every stored parameter as (key, spec, shape, trainable): model params in order, then stacks
+    expanded per layer as ``<stack>.<i>.<name>``. Tied parameters have no storage of their own."""
+    out: list[tuple[str, ParamSpec, tuple[int, ...], bool]] = []
+    binds = {**_int_config(model), **bindings}
+    for spec in model.params:
+        if spec.tied_to is not None:
+            continue
+        if spec.array_of is None:
+            out.append((spec.name, spec, evaluate_shape(spec.shape, binds), _trains(spec, mode)))
+            continue
+        block = modules.get(spec.array_of)
+        if block is None or spec.count is None:
+            raise KilnError(f"parameter {spec.name!r} stacks module {spec.array_of!r}, "
+                            "which is not in the bundle",
+                            code="E002")
+        bbinds = {**binds, **_int_config(block)}
+        for i in range(spec.count.evaluate(binds)):
+            for bspec in block.params:
+                out.append((f"{spec.name}.{i}.{bspec.name}", bspec, evaluate_shape(bspec.shape, bbinds),
+                            _trains(bspec, mode) and _trains(spec, mode)))
+    return out
+
+
+def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: str = "numpy",
+            mode: str = "full", recompute: str = "none", memory_budget: int | None = None,
+            modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: str | None = "adamw",
+            dtype: str = "float32", registry: OpRegistry | None = None) -> Program:
+    """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``).
+
+    ``task="train"`` schedules forward, backward and (with ``optimizer="adamw"``) the update;
+    ``task="logits"`` schedules the forward with the LM-head loss replaced by its logits. ``dtype``
+    is the float type float tensors compute in. Weights, gradients and optimizer state are laid out
+    the same way for every task and binding, so all Programs of a model can share one arena.
+    """
+    from kiln.core._plugins import get_registry
+
+    t0 = time.perf_counter()
+    _choice("mode", mode, TRAINING_MODES)
+    _choice("task", task, TASKS)
+    _choice("dtype", dtype, DTYPES)
+    if optimizer not in ("adamw", None):
+        raise KilnError(f"optimizer={optimizer!r} is not valid; expected 'adamw' or None")
+    get_registry("backends")[backend]  # an unknown backend fails here, naming the plugin to install
+    model, mods = _resolve(module_ir, modules)
+    if registry is None:
+        from kiln.core._oplib import op_registry
+
+        registry = op_registry()
+    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+    plan = plan_recompute(model, mode=recompute, memory_budget=memory_budget, training=mode)
+    s = _Scheduler(model, mods, registry, binds, np.dtype(dtype), mode)
+    s.schedule(task, optimizer)
+    t1 = time.perf_counter()
+    slots, tensors, persistent, arena = _place(s)
+    t2 = time.perf_counter()
+    program = Program(
+        name=model.name, backend=backend, task=task, mode=mode, dtype=dtype, bindings=FrozenDict(binds),
+        steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots), params=tuple(s.param_infos()),
+        persistent_bytes=persistent, arena_bytes=arena, output="loss" if task == "train" else "logits",
+        recompute=plan, passes=(("schedule", t1 - t0), ("plan_memory", t2 - t1)),
+    )
+    if memory_budget is not None and arena > memory_budget:
+        raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
+                        hint="recompute modes that trade compute for memory come with the recompute planner")
+    return program
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: schedule
+
+
+@attrs.define
+class _Call:
+    callee: Module
+    prefix: str
+    layers: list[dict[str, str]]  # per layer: block tensor name -> key
+    binds: dict[str, int]
+
+
+class _Scheduler:
+    def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, binds: dict[str, int],
+                 float_dtype: np.dtype[Any], mode: str) -> None:
+        self.model, self.modules, self.registry, self.binds = model, modules, registry, binds
+        self.float_dtype, self.mode = float_dtype, mode
+        self.steps: list[Step] = []
+        self.types: dict[str, tuple[tuple[int, ...], str]] = {}  # key -> (shape, IR dtype)
+        self.kinds: dict[str, str] = {}  # pinned keys: weight, gradient, optimizer_state, input
+        self.params = model_params(model, modules, binds, mode)
+        self.trainable = {key for key, _, _, t in self.params if t}
+        self.grads: dict[str, str] = {}  # param key -> key of its gradient tensor
+        self.calls: dict[tuple[str, ...], _Call] = {}
+        self.optimizer: str | None = None
+        for key, _, shape, _ in self.params:
+            self.types[key] = (shape, "fp32")
+            self.kinds[key] = "weight"
+
+    # -- helpers
+
+    def np_dtype(self, ir_dtype: str) -> str:
+        return str(self.float_dtype) if is_float(ir_dtype) else str(np.dtype({"int8": np.int8,
+                                                                              "int32": np.int32}[ir_dtype]))
+
+    def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
+            layer: int | None = None) -> None:
+        opdef = self.registry.get_op(op.type)
+        resolved = opdef.resolve_attrs(op.attrs)
+        types = [TensorType(self.types[k][0], self.types[k][1]) if k else None for k in ins]
+        kinds = {a.name: a.kind for a in opdef.attrs}
+        concrete = {k: opdef.kernel_attrs({k: v}, binds)[k] if kinds.get(k) in ("dim", "dims") else v
+                    for k, v in resolved.items()}  # shape rules then see numbers, not symbols
+        try:
+            inferred = opdef.infer(InferContext(op.type, types, concrete))
+            for k, t in zip(outs, inferred, strict=True):
+                if k:
+                    self.types[k] = (evaluate_shape(t.shape, binds), t.dtype)
+        except KilnError as exc:
+            raise KilnError(f"op {op.type!r} producing {', '.join(o for o in outs if o)!r}"
+                            f"{f' in layer {layer}' if layer is not None else ''}: {exc.message}",
+                            code=exc.code or "E004") from None
+        kattrs = opdef.kernel_attrs(resolved, binds, self.float_dtype)
+        how = "alias" if op.type in ALIAS_OPS else "out" if opdef.out_kernel is not None else "kernel"
+        self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how,
+                               FrozenDict(kattrs)))
+
+    def declare(self, key: str, shape: Sequence[Any], dtype: str, binds: Mapping[str, int],
+                kind: str) -> None:
+        self.types[key] = (evaluate_shape(tuple(parse_dim(d) for d in shape), binds), dtype)
+        self.kinds[key] = kind
+
+    def param_infos(self) -> list[ParamInfo]:
+        return [ParamInfo(key, shape, spec.init, trainable, self.grads.get(key), self.state(key))
+                for key, spec, shape, trainable in self.params]
+
+    def state(self, key: str) -> tuple[str, ...]:
+        trained = key in self.trainable and self.optimizer
+        return tuple(f"adamw.{m}.{key}" for m in ("m", "v")) if trained else ()
+
+    # -- the passes over the graphs
+
+    def schedule(self, task: str, optimizer: str | None) -> None:
+        self.optimizer = optimizer
+        graph = self.model.forward
+        assert graph is not None
+        if task == "logits":
+            graph = _logits_graph(graph)
+        env: dict[str, str] = {}
+        used = {i for op in graph.ops for i in op.inputs}
+        for d in graph.inputs:
+            if d.name in used:
+                self.declare(d.name, d.shape, d.dtype, self.binds, "input")
+                env[d.name] = d.name
+        stored = {key for key, *_ in self.params}
+        for d in graph.params:
+            if d.name in stored:
+                env[d.name] = d.name
+        for op in graph.ops:
+            if op.type == "call":
+                self.forward_call(op, env)
+            elif op.type == "call_backward":
+                raise KilnError("a forward graph cannot hold call_backward", code="E003")
+            else:
+                self.add("forward", op, [env[i] if i else "" for i in op.inputs], self.own(op.outputs, env),
+                         self.binds)
+        out = "logits" if task == "logits" else "loss"
+        self.kinds[env[out]] = "output"  # read by the caller after the run: live to the end
+        if task == "train":
+            self.backward(graph, env)
+        # gradients and optimizer state exist for every task, so that all Programs share one layout
+        for key, _, shape, _ in self.params:
+            missing = key in self.trainable and key not in self.grads
+            for k in [*([f"grad.{key}"] if missing else []), *self.state(key)]:
+                self.types[k] = (shape, "fp32")
+                self.kinds[k] = "optimizer_state" if k.startswith("adamw.") else "gradient"
+            if key in self.trainable:
+                self.grads.setdefault(key, f"grad.{key}")
+        if task == "train" and optimizer is not None:
+            self.optimizer_steps()
+
+    def own(self, names: Sequence[str], env: dict[str, str], prefix: str = "") -> list[str]:
+        """Keys for the outputs of an op (``prefix + name``), recorded in ``env``."""
+        keys = []
+        for n in names:
+            if not n:
+                keys.append("")
+                continue
+            key = prefix + n
+            if key in self.types:
+                raise KilnError(f"tensor {key!r} is defined twice in the lowered program", code="E017")
+            env[n] = key
+            keys.append(key)
+        return keys
+
+    def forward_call(self, op: Op, env: dict[str, str]) -> None:
+        callee = self.modules.get(str(op.attrs.get("module")))
+        if callee is None or callee.forward is None:
+            raise KilnError(f"op 'call' names module {op.attrs.get('module')!r}, which is not in the bundle",
+                            code="E002")
+        g = callee.forward
+        if any(o.type in ("call", "call_backward") for o in g.ops):
+            raise KilnError(f"block {callee.name!r} calls another block; nested stacks are not supported")
+        prefix = str(op.attrs.get("params", "blocks"))
+        binds = {**self.binds, **_int_config(callee)}
+        n_layers = parse_dim(op.attrs["n_layers"]).evaluate(self.binds)
+        carry = [env[i] for i in op.inputs]
+        if len(carry) != len(g.inputs) or len(op.outputs) != len(g.outputs):
+            raise KilnError(f"call of {callee.name!r} passes {len(carry)} inputs and names {len(op.outputs)} "
+                            f"outputs; the block takes {len(g.inputs)} and returns {len(g.outputs)}",
+                            code="E003")
+        layers: list[dict[str, str]] = []
+        for i in range(n_layers):
+            lenv: dict[str, str] = {}
+            for d, key in zip(g.inputs, carry, strict=True):
+                want = evaluate_shape(d.shape, binds)
+                if self.types[key][0] != want:
+                    raise KilnError(f"layer {i} of {callee.name!r}: input {d.name!r} is "
+                                    f"{list(self.types[key][0])} "
+                                    f"but the block declares {list(want)}", code="E004")
+                lenv[d.name] = key
+            for d in g.params:
+                lenv[d.name] = f"{prefix}.{i}.{d.name}"
+                if lenv[d.name] not in self.types:
+                    raise KilnError(f"block parameter {d.name!r} has no ParamSpec in {callee.name!r}",
+                                    code="E002")
+            for bop in g.ops:
+                self.add("forward", bop, [lenv[n] if n else "" for n in bop.inputs],
+                         self.own(bop.outputs, lenv, f"{prefix}.{i}."), binds, i)
+            carry[:len(g.outputs)] = [lenv[d.name] for d in g.outputs]
+            layers.append(lenv)
+        for name, key in zip(op.outputs, carry, strict=False):
+            env[name] = key
+        self.calls[(callee.name, prefix)] = _Call(callee, prefix, layers, binds)
+
+    def stops(self, graph: Graph, prefix: str = "") -> tuple[str, ...]:
+        """Parameters of ``graph`` that get no gradient; a stack trains if any of its parameters does."""
+        return tuple(d.name for d in graph.params if prefix + d.name not in self.trainable
+                     and not any(k.startswith(f"{d.name}.") for k in self.trainable))
+
+    def backward(self, graph: Graph, env: dict[str, str]) -> None:
+        opts = DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(graph))
+        res = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+        benv: dict[str, str] = {}
+        for d in res.backward.inputs:
+            if d.name != SEED:
+                raise KilnError(f"the backward of {graph.name!r} is seeded by {d.name!r}; "
+                                "kiln trains on 'loss'")
+            self.declare(SEED, d.shape, d.dtype, self.binds, "input")
+            benv[SEED] = SEED
+        stack_grads: set[str] = set()
+        for op in res.backward.ops:
+            if any(n in stack_grads for n in op.inputs):  # the per-layer gradients are pinned already
+                if op.type != "copy":
+                    raise KilnError(f"op {op.type!r} reads the stacked gradient {op.inputs[0]!r}; only the "
+                                    "runtime may consume it")
+                stack_grads.update(op.outputs)
+                continue
+            ins = [self.read(n, benv, env) for n in op.inputs]
+            if op.type == "call_backward":
+                stack_grads.add(op.outputs[-1])
+                self.backward_call(op, ins, benv)
+            else:
+                self.add("backward", op, ins, self.own(op.outputs, benv), self.binds)
+        for name, g in res.grads.items():
+            if name in self.trainable:
+                self.pin_grad(name, benv[g])
+
+    def read(self, name: str, benv: Mapping[str, str], env: Mapping[str, str]) -> str:
+        if not name:
+            return ""
+        if name.startswith("saved."):
+            return env[name.removeprefix("saved.")]
+        if name in benv:
+            return benv[name]
+        if name in env:  # a parameter, read by its plain name
+            return env[name]
+        raise KilnError(f"the backward reads {name!r}, which nothing defines", code="E002")
+
+    def pin_grad(self, param: str, key: str) -> None:
+        """Make ``key`` the gradient slot of ``param`` (a copy when it is taken or cannot be pinned)."""
+        if key in self.kinds:  # already pinned (another parameter's gradient, an input)
+            new = f"grad.{param}"
+            step = self.steps[-1]
+            self.add(step.phase, Op("copy", (key,), (new,)), [key], self.own([new], {}), self.binds,
+                     step.layer)
+            key = new
+        self.grads[param] = key
+        self.kinds[key] = "gradient"
+
+    def backward_call(self, op: Op, ins: list[str], benv: dict[str, str]) -> None:
+        callee = self.modules[str(op.attrs["module"])]
+        call = self.calls[(callee.name, str(op.attrs.get("params", "blocks")))]
+        g = callee.forward
+        assert g is not None
+        n_out = len(g.outputs)
+        opts = DeriveBackwardOptions(stop_gradients=self.stops(g, f"{call.prefix}.0."), loss_name=None)
+        res = derive_backward(g, opts, registry=self.registry, modules=self.modules)
+        p = str(res.backward.metadata.get("grad_prefix", "d_"))
+        grads = dict(res.grads)
+        fed = {d.name for d in res.backward.inputs}
+        d_chain = list(ins[:n_out])
+        d_rest: list[str | None] = [None] * (len(g.inputs) - n_out)
+        for i in reversed(range(len(call.layers))):
+            lenv = call.layers[i]
+            e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
+            pre = f"{call.prefix}.{i}."
+            for bop in res.backward.ops:
+                bins = [self.read(n, e, lenv) for n in bop.inputs]
+                self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i)
+            for d in g.params:
+                if d.name in grads and lenv[d.name] in self.trainable:
+                    self.pin_grad(lenv[d.name], e[grads[d.name]])
+            new_chain = []
+            for d in g.inputs[:n_out]:
+                if d.name in grads:
+                    new_chain.append(e[grads[d.name]])
+                else:  # no gradient flows into this input: the layer below gets zeros
+                    z = f"{pre}{p}{d.name}:zero"
+                    self.add("backward", Op("zeros", (), (z,), {"shape": list(self.types[lenv[d.name]][0]),
+                                                                "dtype": d.dtype}), [], self.own([z], {}),
+                             call.binds, i)
+                    new_chain.append(z)
+            for k, d in enumerate(g.inputs[n_out:]):
+                if d.name not in grads or not op.outputs[n_out + k]:
+                    continue
+                cur = e[grads[d.name]]
+                if d_rest[k] is not None:  # an input every layer reads: its gradients add up
+                    acc = f"{pre}{p}{d.name}:acc"
+                    self.add("backward", Op("add", (str(d_rest[k]), cur), (acc,)), [str(d_rest[k]), cur],
+                             self.own([acc], {}), call.binds, i)
+                    cur = acc
+                d_rest[k] = cur
+            d_chain = new_chain
+        for name, key in zip(op.outputs[:-1], [*d_chain, *d_rest], strict=True):
+            if name and key is not None:
+                benv[name] = key
+
+    def optimizer_steps(self) -> None:
+        trained = [(key, shape) for key, _, shape, t in self.params if t]
+        if not trained:
+            return
+        ws = "adamw.workspace"
+        self.types[ws] = ((max(math.prod(s) for _, s in trained),), "fp32")
+        grads = tuple(self.grads[k] for k, _ in trained)
+        self.steps.append(Step(len(self.steps), "optimizer", Op("grad_norm", grads, ()), None, grads, (),
+                               "optimizer"))
+        for key, _ in trained:
+            ins = (key, self.grads[key], f"adamw.m.{key}", f"adamw.v.{key}", ws)
+            self.steps.append(Step(len(self.steps), "optimizer", Op("adamw", ins, ()), None, ins, (),
+                                   "optimizer"))
+
+
+def _logits_graph(graph: Graph) -> Graph:
+    """The forward with its LM-head loss replaced by the logits ``x @ weight^T``, dead ops removed."""
+    ops: list[Op] = []
+    for op in graph.ops:
+        if op.type == "fused_lm_head_loss":
+            if op.attrs.get("softcap") is not None:
+                raise OpError("logits of a soft-capped LM head are not supported yet", op=op.type)
+            ops.append(Op("matmul", op.inputs[:2], ("logits",), {"transpose": "NT"}, loc=op.loc))
+            break
+        ops.append(op)
+    else:
+        raise KilnError(f"graph {graph.name!r} has no fused_lm_head_loss op to turn into logits", code="E002")
+    live, kept = {"logits"}, []
+    for op in reversed(ops):
+        if any(o in live for o in op.outputs):
+            kept.append(op)
+            live.update(i for i in op.inputs if i)
+    return graph.evolve(ops=tuple(reversed(kept)), outputs=())
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes 2 and 3: lifetimes and placement
+
+
+Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
+
+
+def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]], optimizer: str | None,
+                      float_dtype: np.dtype[Any]) -> tuple[Layout, int]:
+    """The head of every arena of a model: (slot, kind, parameter, shape, offset, bytes) for each
+    weight, then each trained parameter's gradient, then its AdamW moments; and the total bytes."""
+    entries = [(k, "weight", k, shape) for k, _, shape, _ in params]
+    entries += [(f"grad.{k}", "gradient", k, shape) for k, _, shape, t in params if t]
+    if optimizer is not None:
+        entries += [(f"adamw.{m}.{k}", "optimizer_state", k, shape) for k, _, shape, t in params if t
+                    for m in ("m", "v")]
+    out: Layout = []
+    offset = 0
+    for name, kind, param, shape in entries:
+        size = _align(math.prod(shape) * float_dtype.itemsize)
+        out.append((name, kind, param, shape, offset, size))
+        offset += size
+    return out, offset
+
+
+def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
+    nbytes = {k: math.prod(shape) * np.dtype(s.np_dtype(dt)).itemsize for k, (shape, dt) in s.types.items()}
+    steps = s.steps
+    last: dict[str, int] = {}
+    for st in steps:
+        for k in st.inputs:
+            if k:
+                last[k] = st.index
+    root = {k: k for k in s.kinds}  # tensor -> the tensor whose slot it uses
+    members = {k: [k] for k in s.kinds}
+    birth: dict[str, int] = {}
+    for st in steps:
+        if st.how == "optimizer":
+            continue
+        opdef = s.registry.get_op(st.op.type)
+        taken: set[str] = set()
+        for k_out, out in enumerate(st.outputs):
+            if not out:
+                continue
+            if out in s.kinds:  # pinned (a gradient): its own slot; a view into it must copy
+                if st.how == "alias":
+                    steps[st.index] = attrs.evolve(st, how="copy")
+                continue
+            r = None
+            if st.how == "alias":
+                r = root[st.inputs[0]]
+            elif st.how == "out" and k_out == 0:
+                for j in sorted(opdef.inplace):
+                    cand = root.get(st.inputs[j]) if j < len(st.inputs) and st.inputs[j] else None
+                    if (cand is not None and cand not in s.kinds and cand not in taken
+                            and max(last.get(m, -1) for m in members[cand]) == st.index
+                            and nbytes[cand] == nbytes[out]):
+                        r = cand
+                        break
+            if r is None:
+                root[out] = out
+                members[out] = [out]
+                # a reference kernel returns fresh arrays before any output is written, so its outputs
+                # may reuse the inputs that die at this step: they are born half a step later
+                birth[out] = 2 * st.index + (1 if st.how == "kernel" else 0)
+            else:
+                root[out] = r
+                members[r].append(out)
+                taken.add(r)
+
+    # fixed region: weights, gradients and optimizer state (the same for every Program of a model),
+    # then the inputs and the output
+    slots: list[Slot] = []
+    n = len(steps)
+    layout, persistent = persistent_layout(s.params, s.optimizer, s.float_dtype)
+    for name, kind, param, _, offset, size in layout:
+        k = param if kind == "weight" else s.grads[param] if kind == "gradient" else name
+        slots.append(Slot(name, kind, size, offset, 0, n - 1, tuple(members[k])))
+    offset = persistent
+    for k, kind in [*((k, kd) for k, kd in s.kinds.items() if kd == "input"),
+                    *((k, kd) for k, kd in s.kinds.items() if kd == "output")]:
+        size = _align(nbytes[k])
+        slots.append(Slot(k, kind, size, offset, 0, n - 1, tuple(members[k])))
+        offset += size
+    ws = "adamw.workspace"
+    if ws in s.types:  # the optimizer's scratch: a transient that lives through the optimizer phase
+        first_opt = next(st.index for st in steps if st.phase == "optimizer")
+        root[ws], members[ws], birth[ws], last[ws] = ws, [ws], 2 * first_opt, n - 1
+
+    # packed region: every other slot by lifetime
+    base = offset
+    fwd_end = max((st.index for st in steps if st.phase == "forward"), default=-1)
+    intervals = []
+    for r, ms in members.items():
+        if r in s.kinds or r not in birth:
+            continue
+        end = max([birth[r], *(2 * last[m] for m in ms if m in last)])
+        intervals.append((r, birth[r], end, _align(nbytes[r])))
+    intervals.sort(key=lambda iv: (-iv[3], iv[1], iv[0]))
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    top = 0
+    for r, b, e, size in intervals:
+        busy = sorted((o, o + sz) for (b2, e2, o, sz) in placed if b2 <= e and b <= e2)
+        at = 0
+        for lo, hi in busy:
+            if at + size <= lo:
+                break
+            at = max(at, hi)
+        placed.append((b, e, at, size))
+        top = max(top, at + size)
+        kind = "saved" if b // 2 <= fwd_end < e // 2 else "transient"
+        slots.append(Slot(r, kind, size, base + at, b // 2, e // 2, tuple(members[r])))
+    arena = base + top
+    slot_of = {m: sl for sl in slots for m in sl.tensors}
+    tensors = {k: Tensor(k, shape, s.np_dtype(dt), slot_of[k].name, slot_of[k].offset)
+               for k, (shape, dt) in s.types.items() if k in slot_of}
+    return slots, tensors, persistent, arena

@@ -1,0 +1,171 @@
+"""Programs (schedule and memory plan), the NumPy backend's kernels, the optimizer and the Model API."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from kiln_core_tiny import random_batch, tiny_qwen3_bundle
+
+from kiln.core import AdamW, KilnError, Model, compile, op_registry
+from kiln.core._optim import adamw_update
+from kiln.core.ir import Bundle, Graph, Module, Op, ParamSpec, TensorDecl
+
+BINDS = {"B": 2, "T": 5}
+
+
+def _slot_of(program: object, tensor: str) -> str:
+    return next(s.name for s in program.slots if tensor in s.tensors)  # type: ignore[attr-defined]
+
+
+def test_the_block_backward_is_derived_once_and_runs_per_layer_in_reverse() -> None:
+    program = compile(tiny_qwen3_bundle(num_layers=3), bindings=BINDS)
+    fwd = [s.layer for s in program.phase("forward") if s.layer is not None]
+    bwd = [s.layer for s in program.phase("backward") if s.layer is not None]
+    assert sorted(set(fwd)) == [0, 1, 2] and fwd == sorted(fwd)
+    assert bwd == sorted(bwd, reverse=True)
+    per_layer = [[s.op for s in program.phase("backward") if s.layer == i] for i in range(3)]
+    assert all(a is b for a, b in zip(per_layer[0], per_layer[2], strict=True))  # the same body ops
+
+
+def test_memory_report_adds_up_views_are_free_and_saved_activations_are_per_layer() -> None:
+    program = compile(tiny_qwen3_bundle(), bindings=BINDS)
+    report = program.memory_report()
+    kinds = ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations", "transient")
+    assert sum(report[k] for k in kinds) == report["peak"] == program.arena_bytes
+    assert report["gradients"] == report["weights"] and report["optimizer_state"] == 2 * report["weights"]
+    # a view shares its input's slot
+    assert _slot_of(program, "blocks.1.attn.x_flat") == _slot_of(program, "blocks.1.attn_norm.y")
+    # every layer keeps its own saved activations until its backward
+    saved = {s.name for s in program.slots if s.kind == "saved"}
+    assert {"blocks.0.attn.lse", "blocks.1.attn.lse"} <= saved
+    slots = program.slots
+    for i, a in enumerate(slots):  # two slots share memory only if they are never alive together
+        for b in slots[i + 1:]:
+            if a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes:
+                assert a.last <= b.first or b.last <= a.first, (a, b)
+
+
+def test_an_elementwise_op_writes_over_an_input_that_dies_there() -> None:
+    x = TensorDecl("x", ["N", "C"], "fp32")
+    model = Module("m", kind="model", config={"C": 8, "V": 16},
+                   params=[ParamSpec("emb", ["V", "C"], "fp32", init={"kind": "normal", "std": 0.5})],
+                   forward=Graph("m", inputs=[TensorDecl("token_ids", ["N"], "int32"),
+                                             TensorDecl("targets", ["N"], "int32")],
+                                 params=[TensorDecl("emb", ["V", "C"], "fp32")],
+                                 ops=[Op("embedding", ["token_ids", "emb"], ["h"]),
+                                      Op("scale", ["h"], ["s"], {"factor": 2.0}),
+                                      Op("fused_lm_head_loss", ["s", "emb", "targets"], ["loss", "lse"])],
+                                 outputs=[x.evolve(name="loss", shape=["N"])]))
+    program = compile(model, bindings={"N": 6}, task="logits")
+    assert _slot_of(program, "s") == _slot_of(program, "h")
+
+
+def test_recompute_modes_other_than_none_are_rejected_naming_the_valid_one() -> None:
+    with pytest.raises(KilnError, match=r"recompute='block' is not available yet; valid: 'none'"):
+        compile(tiny_qwen3_bundle(), bindings=BINDS, recompute="block")
+    with pytest.raises(KilnError, match="exceeds memory_budget"):
+        compile(tiny_qwen3_bundle(), bindings=BINDS, memory_budget=1000)
+    with pytest.raises(KilnError, match="kiln-kernels-cuda"):
+        compile(tiny_qwen3_bundle(), bindings=BINDS, backend="cuda")
+
+
+def test_logits_agree_with_the_loss() -> None:
+    model = Model.from_ir(tiny_qwen3_bundle(), seed=0, dtype="float64")
+    batch = random_batch(32, 2, 5, seed=4)
+    logits = model.logits(batch["input_ids"])
+    assert logits.shape == (2, 5, 32)
+    lab = batch["labels"]
+    lse = np.log(np.sum(np.exp(logits), axis=-1))
+    picked = np.take_along_axis(logits, np.where(lab < 0, 0, lab)[..., None], axis=-1)[..., 0]
+    expected = np.sum(np.where(lab >= 0, lse - picked, 0)) / np.sum(lab >= 0)
+    assert model.loss(batch["input_ids"], lab) == pytest.approx(expected, rel=1e-12)
+
+
+def test_programs_are_cached_per_shape_and_weights_survive_a_growing_arena() -> None:
+    model = Model.from_ir(tiny_qwen3_bundle(), seed=0)
+    small, big = random_batch(32, 1, 3), random_batch(32, 4, 9)
+    before = model.parameters()
+    first = model.loss(small["input_ids"], small["labels"])
+    arena = model.arena_bytes
+    model.loss(big["input_ids"], big["labels"])
+    assert model.arena_bytes > arena and model.program(4, 9) is model.program(4, 9)
+    assert all(np.array_equal(v, model.parameters()[k]) for k, v in before.items())
+    assert model.loss(small["input_ids"], small["labels"]) == first
+
+
+def test_tied_weights_share_storage_and_frozen_params_get_no_gradient_or_state() -> None:
+    bundle = tiny_qwen3_bundle(tie_word_embeddings=True)
+    top = bundle.module("Qwen3Model")
+    frozen = top.evolve(params=[p.evolve(frozen=p.name == "final_norm.weight") for p in top.params])
+    bundle = Bundle([frozen, bundle.module("Qwen3Block")], entry="Qwen3Model")
+    model = Model.from_ir(bundle, seed=0)
+    assert "lm_head" not in model.parameters() and "embedding" in model.parameters()
+    batch = random_batch(32, 2, 5)
+    _, grads = model.loss_and_grads(batch["input_ids"], batch["labels"])
+    assert "final_norm.weight" not in grads and "embedding" in grads
+    norm = model.parameters()["final_norm.weight"]
+    model.train_step(batch)
+    assert np.array_equal(model.parameters()["final_norm.weight"], norm)
+    assert "final_norm.weight" not in model.state_dict()["optimizer"]["exp_avg"]
+    with pytest.raises(KilnError, match="tied to 'embedding'"):
+        model.set_parameters({"lm_head": np.zeros((32, 16))})
+
+
+def test_state_dict_round_trips_and_bad_inputs_name_the_culprit() -> None:
+    batch = random_batch(32, 2, 5)
+    a = Model.from_ir(tiny_qwen3_bundle(), seed=0)
+    a.train_step(batch)
+    b = Model.from_ir(tiny_qwen3_bundle(), seed=1)
+    b.load_state_dict(a.state_dict())
+    assert a.train_step(batch) == b.train_step(batch)
+    with pytest.raises(KilnError, match="no parameter 'nope'"):
+        a.set_parameters({"nope": np.zeros(3)})
+    with pytest.raises(KilnError, match=r"'embedding' is \[32, 16\], the value given is \[2\]"):
+        a.set_parameters({"embedding": np.zeros(2)})
+    with pytest.raises(KilnError, match="labels must be an integer array"):
+        a.loss_and_grads(batch["input_ids"], batch["labels"][:, :2])
+
+
+@pytest.mark.parametrize("name", sorted(n for n, d in op_registry().items() if d.out_kernel is not None))
+def test_out_kernels_equal_their_reference_kernels(name: str) -> None:
+    opdef = op_registry()[name]
+    assert opdef.samples is not None
+    for sample in opdef.samples(np.random.default_rng(0)):
+        attrs = opdef.kernel_attrs(opdef.resolve_attrs(sample.attrs), {}, np.float64)
+        expected = opdef.run(list(sample.inputs), sample.attrs)
+        outs = tuple(np.empty_like(e) for e in expected)
+        opdef.out_kernel(*sample.inputs, out=outs, **attrs)  # type: ignore[misc]
+        assert all(np.array_equal(o, e) for o, e in zip(outs, expected, strict=True)), sample.attrs
+
+
+def test_adamw_schedule_clipping_and_update() -> None:
+    opt = AdamW(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1, max_grad_norm=2.0, weight_decay=0.1)
+    assert [opt.lr_at(s) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert opt.lr_at(9) == pytest.approx(0.55) and opt.lr_at(14) == pytest.approx(0.1) == opt.lr_at(99)
+    assert opt.clip_scale(1.0) == 1.0 and opt.clip_scale(4.0) == pytest.approx(0.5)
+    with pytest.raises(KilnError, match="beta1 must be in"):
+        AdamW(beta1=1.0)
+
+    rng = np.random.default_rng(0)
+    p, g = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    m, v = rng.standard_normal((3, 4)) * 0.1, rng.random((3, 4)) * 0.1
+    want_m = 0.9 * m + 0.1 * (0.5 * g)
+    want_v = 0.999 * v + 0.001 * (0.5 * g) ** 2
+    step, lr = 3, 0.01
+    update = lr * (want_m / (1 - 0.9**step)) / (np.sqrt(want_v / (1 - 0.999**step)) + opt.eps)
+    want_p = p * (1 - lr * 0.1) - update
+    adamw_update(p, g, m, v, np.empty(12), opt=opt, step=step, lr=lr, scale=0.5)
+    assert np.allclose(m, want_m) and np.allclose(v, want_v) and np.allclose(p, want_p, rtol=1e-12)
+
+
+def test_train_step_reports_metrics() -> None:
+    opt = AdamW(lr=0.5, warmup_steps=2, max_grad_norm=0.01)
+    model = Model.from_ir(tiny_qwen3_bundle(), seed=0, optimizer=opt)
+    batch = random_batch(32, 2, 5)
+    loss, grads = model.loss_and_grads(batch["input_ids"], batch["labels"])
+    stats = model.train_step(batch)
+    norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+    assert stats["loss"] == loss and stats["lr"] == 0.25 and stats["step"] == 1 and stats["tokens"] == 8
+    assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)
