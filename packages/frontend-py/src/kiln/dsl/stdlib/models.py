@@ -1,0 +1,344 @@
+"""Causal language models: LlamaModel, Qwen3Model, Qwen3MoEModel (with HuggingFace mappings) and
+HyperConnectionModel.
+
+Numerics follow HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``: the model's
+output ``loss`` is the per-token cross entropy [B * T] (0 where the target is -100) of already
+shifted targets. Fused weights are HF tensors concatenated along dim 0: ``qkv_weight = [q | k | v]``,
+``mlp_up_weight = [gate | up]`` (the order kiln's ``swiglu`` reads).
+"""
+
+# Tensor[...] annotations hold dimension names, which ruff would read as forward references.
+# ruff: noqa: F821
+
+from typing import Any, ClassVar
+
+from kiln.dsl import (
+    Activation,
+    Array,
+    B,
+    Dim,
+    Param,
+    T,
+    Tensor,
+    forward,
+    fuse,
+    graph,
+    hf_config,
+    hf_mapping,
+    model,
+    param,
+    stack_experts,
+    tied_to,
+)
+from kiln.dsl.stdlib.blocks import DenseTransformerBlock, HyperConnectionBlock, MoETransformerBlock
+
+__all__ = ["HyperConnectionModel", "LlamaModel", "Qwen3MoEModel", "Qwen3Model"]
+
+F = "fp32"
+_LAYER = "model.layers.{layer}."
+
+
+def _proj(*names: str, kind: str = "weight") -> Any:
+    keys = [f"{_LAYER}{n}.{kind}" for n in names]
+    return fuse(*keys, dim=0) if len(keys) > 1 else keys[0]
+
+
+#: HF keys of the attention half of every decoder layer (dense and MoE blocks share these names)
+ATTENTION_MAPPINGS = {
+    "ln1_weight": _proj("input_layernorm"),
+    "qkv_weight": _proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "qkv_bias": _proj("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", kind="bias"),
+    "out_weight": _proj("self_attn.o_proj"),
+    "out_bias": _proj("self_attn.o_proj", kind="bias"),
+    "q_norm_weight": _proj("self_attn.q_norm"),
+    "k_norm_weight": _proj("self_attn.k_norm"),
+    "ln2_weight": _proj("post_attention_layernorm"),
+}
+#: HF keys of a dense SwiGLU MLP
+MLP_MAPPINGS = {
+    "mlp_up_weight": _proj("mlp.gate_proj", "mlp.up_proj"),
+    "mlp_down_weight": _proj("mlp.down_proj"),
+}
+#: HF keys of a sparse MoE MLP (Qwen3-MoE; the shared expert as in Qwen2-MoE)
+MOE_MAPPINGS = {
+    "router_weight": _proj("mlp.gate"),
+    "experts_gate_up": stack_experts(_LAYER + "mlp.experts.{expert}.gate_proj.weight", fuse_gate_up=True),
+    "experts_down": stack_experts(_LAYER + "mlp.experts.{expert}.down_proj.weight"),
+    "shared_up_weight": _proj("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "shared_down_weight": _proj("mlp.shared_expert.down_proj"),
+    "shared_gate_weight": _proj("mlp.shared_expert_gate"),
+}
+
+
+class _CausalLM:
+    """Embedding, a stack of blocks, final RMSNorm and the LM head with its loss (seed 003 §6.1)."""
+
+    embedding = Param(Tensor["vocab_size", "d_model", F], hf_mapping="model.embed_tokens.weight")
+    final_norm = Param(Tensor["d_model", F], hf_mapping="model.norm.weight", init="ones")
+
+    @param(hf_mapping="lm_head.weight")
+    @tied_to("embedding", when="tie_word_embeddings")
+    def lm_head(self) -> Tensor["vocab_size", "d_model", F]:
+        """LM head; shares the embedding's storage when tie_word_embeddings."""
+
+    # IO slots
+    token_ids = Activation(Tensor["B", "T"], dtype="int32", scope="global")
+    position_ids = Activation(Tensor["T"], dtype="int32", scope="global")
+    targets = Activation(Tensor["B", "T"], dtype="int32", scope="global", aliases=["labels"])
+
+    # Global activation slots
+    x0 = Activation(Tensor["B", "T", "d_model", F], aliases=["encoded"], scope="global")
+    xF = Activation(Tensor["B", "T", "d_model", F], aliases=["ln_final", "xF_flat"], scope="global")
+    loss = Activation(Tensor["B * T"], dtype="fp32", scope="global")
+
+    _constraints_ = (("rope_is_default", "scaled RoPE (a rope_type other than 'default') is not supported: "
+                      "kiln computes the rotary angles from rope_theta"),)
+
+    def _configure(self, args: dict[str, Any]) -> None:
+        """The constructor's arguments become attributes, which the blocks' constructors read by name.
+
+        HF defaults apply: ``num_kv_heads = num_query_heads``, ``head_size = d_model // num_query_heads``.
+        RoPE comes from ``rope_theta`` or, when given, ``rope_scaling`` (transformers 4) or
+        ``rope_parameters`` (transformers 5). HF's ``attention_bias`` biases o_proj as well as q, k, v.
+        """
+        args = {k: v for k, v in args.items() if k not in ("self", "__class__")}
+        rope = {**(args.pop("rope_scaling", None) or {}), **(args.pop("rope_parameters", None) or {})}
+        self.__dict__.update(args)
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_query_heads
+        if self.head_size is None:
+            self.head_size = self.d_model // self.num_query_heads
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
+        self.rope_is_default = rope.get("rope_type", rope.get("type", "default")) == "default"
+        self.use_out_bias = self.use_qkv_bias
+
+    def _head(self, g: Any, xN: Any, residualN: Any, targets: Any) -> Any:
+        """Final fused residual + RMSNorm, then the per-token loss."""
+        _, xF, _ = g.fused_residual_rmsnorm(residualN, xN, "final_norm", eps=self.eps,
+                                            res_out_name="residual_final", y_name="xF",
+                                            rstd_name="ln_final_rstd")
+        xF_flat = g.view(xF, shape=[B * T, "d_model"], out_name="xF_flat")
+        return g.fused_lm_head_loss(xF_flat, "lm_head", targets, out_name="loss")
+
+    @forward
+    def forward(
+        self,
+        token_ids: Tensor["B", "T", "int32"],
+        position_ids: Tensor["T", "int32"],
+        targets: Tensor["B", "T", "int32"],
+    ) -> Tensor["B * T", "fp32"]:
+        with graph() as g:
+            x0 = g.embedding(token_ids, "embedding", out_name="x0")
+            residual0 = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
+            xN, residualN = g.call("StackedBlocks", x0, residual0, position_ids, num_outputs=2,
+                                   blocks="blocks", n_layers=self.n_layers, out_names=["xN", "residualN"])
+            return self._head(g, xN, residualN, targets)
+
+
+_DENSE_HF = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "num_query_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "max_seq": "max_position_embeddings",
+    "head_size": "head_dim",
+    "eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "use_qkv_bias": "attention_bias",
+}
+
+
+@model
+@hf_config(architecture="LlamaForCausalLM", model_type="llama", **_DENSE_HF)
+class LlamaModel(_CausalLM):
+    """Llama: dense pre-norm decoder, GQA attention without QK-norm, SwiGLU MLP."""
+
+    blocks = Param(Array["n_layers", DenseTransformerBlock])
+    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MLP_MAPPINGS}
+    _constraints_ = (*_CausalLM._constraints_, ("not mlp_bias", "MLP biases (mlp_bias) are not supported"))
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        d_model: int = 4096,
+        n_layers: int = 32,
+        num_query_heads: int = 32,
+        num_kv_heads: int | None = None,
+        d_ff: int = 11008,
+        max_seq: int = 2048,
+        head_size: int | None = None,
+        eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        use_qkv_bias: bool = False,
+        tie_word_embeddings: bool = False,
+        mlp_bias: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+    ):
+        self._configure(locals())
+        self.use_qk_norm = False
+
+
+@model
+@hf_config(architecture="Qwen3ForCausalLM", model_type="qwen3", **_DENSE_HF)
+class Qwen3Model(_CausalLM):
+    """Qwen3: Llama's layout plus a per-head RMSNorm of q and k before RoPE."""
+
+    blocks = Param(Array["n_layers", DenseTransformerBlock])
+    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MLP_MAPPINGS}
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        d_model: int = 1024,
+        n_layers: int = 28,
+        num_query_heads: int = 16,
+        num_kv_heads: int | None = 8,
+        d_ff: int = 3072,
+        max_seq: int = 40960,
+        head_size: int | None = 128,
+        eps: float = 1e-6,
+        rope_theta: float = 1000000.0,
+        use_qkv_bias: bool = False,
+        use_qk_norm: bool = True,
+        tie_word_embeddings: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+    ):
+        self._configure(locals())
+
+
+def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int,
+                  mlp_only_layers: list[int]) -> list[bool]:
+    """Which decoder layers have a MoE MLP, as HF ``Qwen3MoeDecoderLayer`` decides."""
+    return [i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0
+            for i in range(n_layers)]
+
+
+@model
+@hf_config(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", **_DENSE_HF, num_experts="num_experts",
+           num_experts_per_tok="num_experts_per_tok", moe_d_ff="moe_intermediate_size",
+           norm_topk_prob="norm_topk_prob", decoder_sparse_step="decoder_sparse_step",
+           mlp_only_layers="mlp_only_layers")
+@hf_mapping.indexed("dense_blocks", **ATTENTION_MAPPINGS, **MLP_MAPPINGS)
+class Qwen3MoEModel(_CausalLM):
+    """Qwen3-MoE: Qwen3 attention; MoE MLPs, except in the dense layers HF's config selects.
+
+    A ``call`` repeats one block body, so dense and MoE layers are two stacks of two blocks:
+    ``dense_blocks`` (DenseTransformerBlock, HF layers 0 .. n_dense_layers - 1) runs first, then
+    ``blocks`` (MoETransformerBlock; ``blocks.{i}`` is HF layer ``n_dense_layers + i``). The dense
+    layers must therefore come first (``mlp_only_layers = [0, ..., k - 1]``; released Qwen3-MoE
+    checkpoints have none); interleaved layouts (``decoder_sparse_step > 1``) are rejected with E027.
+    """
+
+    dense_blocks = Param(Array["n_dense_layers", DenseTransformerBlock], when="n_dense_layers > 0")
+    blocks = Param(Array["n_moe_layers", MoETransformerBlock], when="n_moe_layers > 0")
+    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MOE_MAPPINGS}
+    _constraints_ = (*_CausalLM._constraints_,
+                     ("dense_layers_first", "dense layers (mlp_only_layers, decoder_sparse_step) must all "
+                      "come before the MoE layers: kiln runs one dense stack, then one MoE stack"))
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        d_model: int = 2048,
+        n_layers: int = 48,
+        num_query_heads: int = 32,
+        num_kv_heads: int | None = 4,
+        d_ff: int = 6144,
+        max_seq: int = 40960,
+        head_size: int | None = 128,
+        eps: float = 1e-6,
+        rope_theta: float = 1000000.0,
+        use_qkv_bias: bool = False,
+        use_qk_norm: bool = True,
+        tie_word_embeddings: bool = False,
+        num_experts: int = 128,
+        num_experts_per_tok: int = 8,
+        moe_d_ff: int = 768,
+        norm_topk_prob: bool = True,
+        shared_d_ff: int = 0,
+        decoder_sparse_step: int = 1,
+        mlp_only_layers: list[int] | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+    ):
+        self._configure(locals())
+        sparse = sparse_layers(n_layers, num_experts, decoder_sparse_step, list(mlp_only_layers or ()))
+        self.n_moe_layers = sum(sparse)
+        self.n_dense_layers = n_layers - self.n_moe_layers
+        self.dense_layers_first = sparse == sorted(sparse)
+
+    @forward
+    def forward(
+        self,
+        token_ids: Tensor["B", "T", "int32"],
+        position_ids: Tensor["T", "int32"],
+        targets: Tensor["B", "T", "int32"],
+    ) -> Tensor["B * T", "fp32"]:
+        with graph() as g:
+            x = g.embedding(token_ids, "embedding", out_name="x0")
+            residual = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
+            if self.n_dense_layers:
+                x, residual = g.call("StackedBlocks", x, residual, position_ids, num_outputs=2,
+                                     blocks="dense_blocks", n_layers=self.n_dense_layers,
+                                     out_names=["x_dense", "residual_dense"])
+            if self.n_moe_layers:
+                x, residual = g.call("StackedBlocks", x, residual, position_ids, num_outputs=2,
+                                     blocks="blocks", n_layers=self.n_moe_layers,
+                                     out_names=["xN", "residualN"])
+            return self._head(g, x, residual, targets)
+
+
+@model
+class HyperConnectionModel(_CausalLM):
+    """A dense decoder whose layers are HyperConnectionBlocks on ``n_streams`` residual streams.
+
+    The embedding is copied into every stream; after the last layer the streams are summed, then the
+    final RMSNorm and the LM head apply as in Llama. No HuggingFace architecture maps to it.
+    """
+
+    blocks = Param(Array["n_layers", HyperConnectionBlock])
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        num_query_heads: int,
+        num_kv_heads: int,
+        d_ff: int,
+        max_seq: int,
+        head_size: int | None = None,
+        n_streams: int = 4,
+        hc_sinkhorn_iters: int = 20,
+        eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        use_qkv_bias: bool = False,
+        use_qk_norm: bool = False,
+        tie_word_embeddings: bool = False,
+    ):
+        self._configure(locals())
+        self.S = Dim("n_streams")  # the block's name for it: call outputs keep the block's symbols
+
+    @forward
+    def forward(
+        self,
+        token_ids: Tensor["B", "T", "int32"],
+        position_ids: Tensor["T", "int32"],
+        targets: Tensor["B", "T", "int32"],
+    ) -> Tensor["B * T", "fp32"]:
+        with graph() as g:
+            x0 = g.embedding(token_ids, "embedding", out_name="x0")
+            x0_4 = g.view(x0, shape=[B, T, 1, "d_model"], out_name="x0_4")
+            h0_4 = g.custom("broadcast_to", x0_4, shape=[B, T, "n_streams", "d_model"], out_name="h0_4")
+            h0 = g.view(h0_4, shape=[B, T, "n_streams * d_model"], out_name="h0")
+            hN = g.call("StackedBlocks", h0, position_ids, num_outputs=1, blocks="blocks",
+                        n_layers=self.n_layers, out_names=["hN"])
+            hN_4 = g.view(hN, shape=[B, T, "n_streams", "d_model"], out_name="hN_4")
+            xN = g.custom("reduce_sum", hN_4, axes=[2], out_name="xN")
+            xF, _ = g.rmsnorm(xN, "final_norm", eps=self.eps, y_name="xF", rstd_name="ln_final_rstd")
+            xF_flat = g.view(xF, shape=[B * T, "d_model"], out_name="xF_flat")
+            return g.fused_lm_head_loss(xF_flat, "lm_head", targets, out_name="loss")
