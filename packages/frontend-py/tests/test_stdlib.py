@@ -622,4 +622,5 @@ def test_qwen3_matches_transformers() -> None:
         want = torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets).flatten(),
                                                  ignore_index=-100, reduction="none").numpy()
     got = _run_loss(bundle, kiln_params(bundle, hf), ids, targets)
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    # HF builds its RoPE inverse frequencies in float32 even in a float64 model: ~1e-8 apart
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
