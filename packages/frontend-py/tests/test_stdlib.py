@@ -457,20 +457,19 @@ def _from_hf(spec: Any, hf: dict[str, np.ndarray], layer: int, num_experts: int)
 
 def kiln_params(bundle: Bundle, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every parameter of the compiled model, read from ``hf`` through the compiled HF mappings.
-    Layer ``i`` of a stack is HF layer ``i`` plus the layers of the stacks called before it."""
+    Layer ``i`` of a stack is HF layer ``i`` plus its indexed mapping's ``layer_offset``."""
     model = bundle.module(bundle.entry)
     out = {p.name: _from_hf(p.hf_mapping, hf, 0, 0) for p in model.params
            if p.array_of is None and p.tied_to is None}
-    first = 0
     for op in model.forward.ops:
         if op.type != "call":
             continue
         block = bundle.module(op.attrs["module"])
+        first = model.hf_mappings[op.attrs["params"]].get("layer_offset", 0)
         for i in range(op.attrs["n_layers"]):
             for p in block.params:
                 value = _from_hf(p.hf_mapping, hf, first + i, block.config.get("num_experts", 0))
                 out[f"{op.attrs['params']}.{i}.{p.name}"] = value
-        first += op.attrs["n_layers"]
     return out
 
 

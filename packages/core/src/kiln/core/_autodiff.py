@@ -17,7 +17,7 @@ import numpy as np
 from attrs import field
 
 from kiln.core._errors import AutodiffError, Diagnostic
-from kiln.core._ir import FrozenDict, Graph, Module, Op, TensorDecl, is_float
+from kiln.core._ir import FrozenDict, Graph, Module, Op, TensorDecl, TensorType, is_float
 from kiln.core._ops import BackwardContext, OpRegistry, infer_types
 
 #: Tensors whose names match these patterns never get gradients, whatever their declared dtype.
@@ -78,14 +78,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
         if op.type != "call":
             registry.get_op(op.type)  # unknown ops fail here, with E014
     producers = graph.producers()
-    call_outs: list[TensorDecl] = []  # typed from the callee, so that ops after a call get types too
-    for op in graph.ops:
-        if op.type == "call":
-            callee = _callee(op, modules)
-            assert callee.forward is not None
-            outs = zip(op.outputs, callee.forward.outputs, strict=True)
-            call_outs += [attrs.evolve(d, name=o) for o, d in outs]
-    types = infer_types(graph.evolve(intermediates=(*graph.intermediates, *call_outs)), registry)
+    types = _types_through_calls(graph, registry, modules)
     params = frozenset(d.name for d in graph.params)
     graph_inputs = frozenset(d.name for d in graph.inputs)
     stops = set(opts.stop_gradients)
@@ -150,7 +143,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
             continue  # dead: nothing downstream needs this op's gradient
         if op.type == "call":
             contribs, d_block_params = _call_backward(op, d_outs, needs, modules, opts, registry, emitted,
-                                                      namer)
+                                                      namer, types)
             stack = op.attrs.get("params")
             if stack in params and stack not in stops:
                 grads[stack] = d_block_params
@@ -242,6 +235,29 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     return BackwardResult(graph.evolve(save=saves), backward, saves, FrozenDict(grads))
 
 
+def _types_through_calls(graph: Graph, registry: OpRegistry, modules: Mapping[str, Module]
+                         ) -> dict[str, TensorType]:
+    """Types of every tensor, with ``call`` outputs typed in the caller's symbols.
+
+    A block's outputs feed the next layer's first inputs, so output ``k`` has the type of call input
+    ``k``; the block's declared output types (in the block's own symbols, which the caller's config
+    need not bind) are the fallback when that input is untyped. Shape rules run once per call, so
+    the ops after a call see its outputs' types.
+    """
+    call_outs: list[TensorDecl] = []
+    types = infer_types(graph, registry)
+    for op in graph.ops:
+        if op.type != "call":
+            continue
+        callee = _callee(op, modules)
+        assert callee.forward is not None
+        for k, (name, decl) in enumerate(zip(op.outputs, callee.forward.outputs, strict=True)):
+            t = types.get(op.inputs[k]) if k < len(op.inputs) and op.inputs[k] else None
+            call_outs.append(TensorDecl(name, *(t.shape, t.dtype) if t else (decl.shape, decl.dtype)))
+        types = infer_types(graph.evolve(intermediates=(*graph.intermediates, *call_outs)), registry)
+    return types
+
+
 def _callee(op: Op, modules: Mapping[str, Module]) -> Module:
     name = op.attrs.get("module")
     callee = modules.get(name) if isinstance(name, str) else None
@@ -268,7 +284,7 @@ def block_backward(module: Module, options: DeriveBackwardOptions, registry: OpR
 
 def _call_backward(op: Op, d_outs: list[str | None], needs: set[str], modules: Mapping[str, Module],
                    opts: DeriveBackwardOptions, registry: OpRegistry, emitted: list[Op],
-                   namer: Any) -> tuple[list[str | None], str]:
+                   namer: Any, types: Mapping[str, TensorType]) -> tuple[list[str | None], str]:
     """Emit one ``call_backward`` that runs the block's backward for every layer in reverse."""
     callee = _callee(op, modules)
     sub = block_backward(callee, opts, registry, modules)
@@ -286,10 +302,10 @@ def _call_backward(op: Op, d_outs: list[str | None], needs: set[str], modules: M
             out_names.append("")
     for k, d_out in enumerate(d_outs):
         if d_out is None:  # an output nobody differentiates still needs a zero gradient per layer
-            decl = callee.forward.outputs[k]
+            t = types.get(op.outputs[k]) or callee.forward.outputs[k].type
             z = namer(f"{opts.grad_prefix}{op.outputs[k]}:zero")
-            shape = [s.to_json() for s in decl.shape]
-            emitted.append(Op("zeros", (), (z,), {"shape": shape, "dtype": decl.dtype}))
+            shape = [s.to_json() for s in t.shape]
+            emitted.append(Op("zeros", (), (z,), {"shape": shape, "dtype": t.dtype}))
             d_outs[k] = z
     d_params = namer(f"{opts.grad_prefix}{op.attrs.get('params', 'blocks')}:call")
     call_inputs = (*[d or "" for d in d_outs], *[f"saved.{i}" if i else "" for i in op.inputs])

@@ -91,6 +91,7 @@ class _State:
         self.extra_params: list[Any] = []  # ParamSpecs of inlined submodules
         self.extra_slots: list[Any] = []
         self.calls: list[Any] = []  # block modules called through StackedBlocks
+        self.renamed: dict[str, str] = {}  # explicit names the compiler changed (a model's loss)
 
 
 def _short(loc: str | None) -> str | None:
@@ -631,6 +632,19 @@ class GraphBuilder:
 
     def bias_add(self, x: Any, bias: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("bias_add", [x, bias], {}, out_name)
+
+    def div(self, a: Any, b: Any, *, out_name: str | None = None) -> GraphRef:
+        """``a / b``; ``b`` has a's shape or broadcasts to it, as for ``add``."""
+        return self._one("div", [a, b], {}, out_name)
+
+    def exp(self, x: Any, *, out_name: str | None = None) -> GraphRef:
+        return self._one("exp", [x], {}, out_name)
+
+    def sigmoid(self, x: Any, *, out_name: str | None = None) -> GraphRef:
+        return self._one("sigmoid", [x], {}, out_name)
+
+    def reciprocal(self, x: Any, *, out_name: str | None = None) -> GraphRef:
+        return self._one("reciprocal", [x], {}, out_name)
 
     # -- embedding and loss (§8.9) --
     def embedding(self, token_ids: Any, weight: Any, *, out_name: str | None = None) -> GraphRef:

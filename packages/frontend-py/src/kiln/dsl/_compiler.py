@@ -20,6 +20,7 @@ from kiln.core.ir import (
     Bundle,
     DimExpr,
     Graph,
+    LoraTarget,
     Module,
     ParamSpec,
     TensorDecl,
@@ -192,8 +193,8 @@ class _Compiler:
         specs, decls = self.declare_params(builder, spec, state)
         inputs = self.declare_inputs(builder, spec)
         outs = self.run_forward(builder, spec, inputs)
-        if kind == "model" and len(outs) == 1 and not outs[0].explicit and outs[0].kind == "op":
-            outs[0].var = "loss"
+        if kind == "model" and len(outs) == 1:
+            self.name_loss(state, outs[0])
         finalize_names(state)
         ops = to_ops(state)
         save = self.memory_list(state, state.save, spec.save, spec, "save", ops, builder)
@@ -202,7 +203,7 @@ class _Compiler:
         specs = self.with_init(specs + state.extra_params, ops, scope)
         graph_params = decls + [TensorDecl(p.name, p.shape, p.dtype) for p in state.extra_params]
         layout = self.layout(builder, spec, scope, [d.name for d in inputs], specs) + state.extra_slots
-        hf_mappings = self.hf_mappings(spec, specs)
+        hf_mappings = self.hf_mappings(spec, specs, scope)
         specs = [
             p.evolve(hf_mapping=hf_mappings[p.name])
             if p.name in hf_mappings
@@ -250,6 +251,17 @@ class _Compiler:
                 )
             )
         return _Built(module, scope, spec)
+
+    def name_loss(self, state: _State, out: GraphRef) -> None:
+        """The runtime reads a model's single output as ``loss``, whatever produced it: a tensor of an
+        inlined submodule (``head.loss``) or one named otherwise is renamed, unless another tensor
+        already holds the name."""
+        if out.kind != "op" or out.name == "loss" or "loss" in state.taken:
+            return
+        if out.explicit:
+            state.renamed[out.name] = "loss"
+        out._name, out.explicit = "loss", True
+        state.taken["loss"] = None
 
     def module_name(self, spec: ModuleSpec, kind: str) -> str:
         if kind != "block":
@@ -394,6 +406,7 @@ class _Compiler:
                         optional=optional,
                         condition=condition,
                         tied_to=prefix + target,
+                        lora_targets=self.lora_targets(builder, spec, p, ptype),
                         description=p.description,
                     )
                 )
@@ -418,6 +431,7 @@ class _Compiler:
                         condition=condition,
                         array_of=built.module.name,
                         count=count,
+                        lora_targets=self.lora_targets(builder, spec, p, ptype),
                         description=p.description,
                     )
                 )
@@ -440,12 +454,53 @@ class _Compiler:
                     optional=optional,
                     condition=condition,
                     init=init or {},
+                    lora_targets=self.lora_targets(builder, spec, p, ptype),
                     description=p.description,
                 )
             )
             ref = builder.declare(full, TensorType(shape, ptype.dtype), "param", name)
             decls.append(TensorDecl(full, ref.shape, ref.dtype))
         return specs, decls
+
+    def lora_targets(
+        self, builder: GraphBuilder, spec: ModuleSpec, p: Param, ptype: Any
+    ) -> list[LoraTarget]:
+        """``p.lora_targets`` in the IR: slices of the weight, their dims in the compiled module's symbols."""
+        where = f"parameter {spec.name}.{p.name}: lora target"
+        hint = 'e.g. lora_targets=["o"] or [("q", 0, "Hq * D"), ("k", "Hq * D", "Hkv * D"), ...]'
+        if p.lora_targets and not isinstance(ptype, TensorAnnotation):
+            raise error("E003", f"{where}s need a Tensor[...] parameter, found {ptype!r}", hint, p.loc)
+        out: list[LoraTarget] = []
+        for item in p.lora_targets:
+            if isinstance(item, LoraTarget):
+                item = (item.name, item.start, item.size, item.dim)
+            elif isinstance(item, str):
+                item = (item,)
+            fields = tuple(item) if isinstance(item, tuple | list) else ()
+            if not 1 <= len(fields) <= 4 or not isinstance(fields[0], str) or not fields[0]:
+                raise error("E003", f"{where} {item!r}: expected a name or (name, start, size[, dim])", hint,
+                            p.loc)
+            name, start, size, dim = (*fields, *(0, None, 0)[len(fields) - 1:])
+            rank = len(ptype.dims)
+            if not isinstance(dim, int) or isinstance(dim, bool) or not -rank <= dim < rank:
+                raise error("E003", f"{where} {name!r}: dim {dim!r} is not an axis of a rank-{rank} weight",
+                            hint, p.loc)
+            dim %= rank
+            try:
+                lo = builder.scope.value(start)
+                extent = builder.scope.value(ptype.dims[dim])
+                n = extent - lo if size is None else builder.scope.value(size)
+                rows = None if size is None else builder.dim(size)
+                target = LoraTarget(name, builder.dim(start), rows, dim)
+            except (DSLError, KilnError) as exc:
+                raise error(exc.code or "E002", f"{where} {name!r}: {exc.message}", exc.hint, p.loc) from None
+            if name in {t.name for t in out}:
+                raise error("E003", f"{where} {name!r} is listed twice", hint, p.loc)
+            if lo < 0 or n <= 0 or lo + n > extent:
+                raise error("E003", f"{where} {name!r}: rows [{lo}, {lo + n}) are not inside dim {dim} "
+                            f"of size {extent}", hint, p.loc)
+            out.append(target)
+        return out
 
     def forward_signature(self, spec: ModuleSpec) -> tuple[list[tuple[str, Any]], Any]:
         fn = spec.forward
@@ -573,6 +628,7 @@ class _Compiler:
         out: list[str] = []
         for prefix, item, loc in items:
             name = item.name if isinstance(item, GraphRef) else prefix + str(item)
+            name = state.renamed.get(name, name)
             if name.startswith("saved.") or name not in names:
                 if what == "save":
                     self.warnings.append(
@@ -732,7 +788,7 @@ class _Compiler:
         out["param_mapping"] = dict(cfg["param_mapping"])
         return out
 
-    def hf_mappings(self, spec: ModuleSpec, params: list[ParamSpec]) -> dict[str, Any]:
+    def hf_mappings(self, spec: ModuleSpec, params: list[ParamSpec], scope: Scope) -> dict[str, Any]:
         diags: list[Diagnostic] = []
         declared = set(spec.params)
         out: dict[str, Any] = {}
@@ -749,8 +805,10 @@ class _Compiler:
                     )
                 )
                 continue
-            if any(p.name == name for p in params):
+            own = next((p for p in params if p.name == name), None)
+            if own is not None:
                 out[name] = mapping_json(value, f"{spec.name}.{name}", loc, diags)
+                diags += _lora_pairing(own, out[name], f"{spec.name}.{name}", loc)
         indexed = dict(spec.hf_indexed)
         block_map = getattr(spec.cls, "_hf_block_mappings_", None)
         arrays = [p for p in params if p.array_of is not None]
@@ -784,7 +842,7 @@ class _Compiler:
                 )
                 continue
             block = next(m for m in self.block_order if m.name == arr.array_of)
-            block_params = {p.name for p in block.params}
+            block_params = {p.name: p for p in block.params}
             declared_params = next(b.spec.params for b in self.blocks.values() if b.module.name == block.name)
             maps = {}
             for name, (value, loc) in entry["mappings"].items():
@@ -802,10 +860,31 @@ class _Compiler:
                     )
                     continue
                 maps[name] = mapping_json(value, f"{spec.name}.{array}.{name}", loc, diags, index_var)
+                diags += _lora_pairing(block_params[name], maps[name], f"{spec.name}.{array}.{name}", loc)
             out[array] = {"type": "indexed", "index": index_var, "module": block.name, "mappings": maps}
+            if "layer_offset" in entry:
+                out[array]["layer_offset"] = self.layer_offset(spec, array, scope, *entry["layer_offset"])
             self.attach_block_mappings(block.name, maps)
         self.errors += [d for d in diags if d.is_error]
         return {k: v for k, v in out.items() if v is not None}
+
+    def layer_offset(self, spec: ModuleSpec, array: str, scope: Scope, value: Any, loc: str | None) -> int:
+        """The HF layer of the first block of ``array``, as an int of the model's config."""
+        try:
+            offset = scope.value(value)
+        except (DSLError, KilnError) as exc:
+            offset, why = -1, exc.message
+        else:
+            why = f"it is {offset}"
+        if offset < 0 or isinstance(value, bool) or not isinstance(value, int | str | DimExpr):
+            raise error(
+                "E010",
+                f"{spec.name}: layer_offset={value!r} of the indexed mapping for {array!r} is not a "
+                f"non-negative int or config name ({why})",
+                'e.g. @hf_mapping.indexed("blocks", layer_offset="n_dense_layers", ...)',
+                loc,
+            )
+        return offset
 
     def attach_block_mappings(self, block_name: str, maps: dict[str, Any]) -> None:
         for i, m in enumerate(self.block_order):
@@ -1057,6 +1136,28 @@ class _Compiler:
         builder._state.recompute += [(prefix, child.inputs.get(n, n), loc) for n in spec.recompute]
         builder._state.extra_slots += self.layout(child, spec, scope, [a for a, _ in args], specs, prefix)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _lora_pairing(p: ParamSpec, mapping: Any, where: str, loc: str | None) -> list[Diagnostic]:
+    """A consumer adapts LoRA target ``i`` of a weight as the HF module of its mapping's source ``i``: a
+    plain key has one target, a ``fuse`` one per source, slicing the fused dim."""
+    if not p.lora_targets:
+        return []
+    if isinstance(mapping, str):
+        count, dim = 1, None
+    elif isinstance(mapping, Mapping) and mapping.get("type") == "fuse":
+        count, dim = len(mapping["sources"]), mapping["dim"]
+    else:
+        return []
+    names = ", ".join(t.name for t in p.lora_targets)
+    hint = "list one LoRA target per fused source, in the order of the sources (target i is source i)"
+    if count != len(p.lora_targets):
+        return [diag("E010", f"{where}: {len(p.lora_targets)} LoRA target(s) ({names}) but the weight "
+                             f"mapping has {count} source(s)", hint, loc)]
+    if dim is not None and any(t.dim != dim for t in p.lora_targets):
+        return [diag("E010", f"{where}: the LoRA targets ({names}) slice another dim than the fuse "
+                             f"(dim={dim})", hint, loc)]
+    return []
 
 
 def r_decl(ref: GraphRef) -> TensorDecl:

@@ -70,7 +70,10 @@ class Param(_Declared):
 
     ``when`` is a config flag name, a condition string (``"use_bias and not tied"``) or a callable on
     the module; ``frozen`` params are never trained; ``hf_mapping`` is the weight's checkpoint key or
-    mapping spec; ``init`` overrides the initializer (``"normal"``, ``"ones"``, ``"zeros"`` or a dict).
+    mapping spec; ``init`` overrides the initializer (``"normal"``, ``"ones"``, ``"zeros"`` or a dict);
+    ``lora_targets`` are the slices LoRA may adapt: a name (the whole weight), ``(name, start, size)``
+    or ``(name, start, size, dim)`` with dims of the module (``size`` None: to the end), or a
+    ``kiln.core.ir.LoraTarget``. A fused weight lists them in the order of its ``fuse`` sources.
     """
 
     def __init__(
@@ -82,10 +85,11 @@ class Param(_Declared):
         hf_mapping: Any = None,
         init: Any = None,
         description: str = "",
+        lora_targets: Iterable[Any] = (),
     ) -> None:
         super().__init__()
         self.type, self.when, self.frozen, self.hf_mapping = param_type, when, frozen, hf_mapping
-        self.init, self.description = init, description
+        self.init, self.description, self.lora_targets = init, description, tuple(lora_targets)
         self.tied: TiedTo | None = None
         self.optional = False
 
@@ -124,10 +128,12 @@ def param(
     hf_mapping: Any = None,
     init: Any = None,
     description: str = "",
+    lora_targets: Iterable[Any] = (),
 ) -> Any:
     """Method-style parameter: ``@param def weight(self) -> Tensor["O", "C"]: ...``.
 
-    ``condition``/``when`` include it only when true; stack ``@tied_to("embedding")`` to tie it.
+    ``condition``/``when`` include it only when true; stack ``@tied_to("embedding")`` to tie it. The
+    other options are those of :class:`Param`.
     """
 
     def wrap(f: Callable[..., Any]) -> _ParamMethod:
@@ -138,6 +144,7 @@ def param(
             hf_mapping=hf_mapping,
             init=init,
             description=description or (f.__doc__ or "").strip(),
+            lora_targets=lora_targets,
         )
 
     return wrap(fn) if fn is not None else wrap
@@ -406,13 +413,17 @@ class _HFMappingDecorator:
         return wrap
 
     def indexed(
-        self, array_param: str, index_var: str = "{layer}", **mappings: Any
+        self, array_param: str, index_var: str = "{layer}", layer_offset: Any = 0, **mappings: Any
     ) -> Callable[[type], type]:
+        """``layer_offset`` (an int, or a config name or dim expression of the model) is the HF layer of
+        the stack's first block: ``{layer}`` of block ``i`` is ``layer_offset + i``."""
         loc = user_location()
 
         def wrap(cls: type) -> type:
             entry = _meta(cls)["hf_indexed"].setdefault(array_param, {"index_var": index_var, "mappings": {}})
             entry["mappings"].update({k: (v, loc) for k, v in mappings.items()})
+            if layer_offset != 0:
+                entry["layer_offset"] = (layer_offset, loc)
             return cls
 
         return wrap

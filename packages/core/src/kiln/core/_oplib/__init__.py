@@ -9,9 +9,9 @@ if TYPE_CHECKING:
 
 def register_core_ops(registry: OpRegistry) -> None:
     """Register every core op (called through core's own ``kiln_register_ops`` hook)."""
-    from kiln.core._oplib import _attention, _elementwise, _linalg, _loss, _moe, _norms, _tensor
+    from kiln.core._oplib import _attention, _elementwise, _linalg, _loss, _math, _moe, _norms, _tensor
 
-    for module in (_linalg, _elementwise, _norms, _attention, _tensor, _loss, _moe):
+    for module in (_linalg, _elementwise, _math, _norms, _attention, _tensor, _loss, _moe):
         for opdef in module.OPS:
             registry.register_op(opdef)
 

@@ -17,6 +17,10 @@ __all__ = ["DenseTransformerBlock", "HyperConnectionBlock", "MoETransformerBlock
 
 F = "fp32"
 _MATMUL = {"transpose": "NT"}
+#: LoRA targets of the fused weights, in the order of their HF sources (q_proj, k_proj, v_proj and
+#: gate_proj, up_proj); ``out_weight`` is ``o`` (o_proj) and ``mlp_down_weight`` is ``down`` (down_proj)
+QKV_LORA = [("q", 0, "Hq * D"), ("k", "Hq * D", "Hkv * D"), ("v", "(Hq + Hkv) * D", "Hkv * D")]
+MLP_UP_LORA = [("gate", 0, "M"), ("up", "M", "M")]
 
 
 def _init_attention(blk: Any, d_model: int, num_query_heads: int, num_kv_heads: int, head_size: int | None,
@@ -61,9 +65,9 @@ class _PreNormAttention:
 
     ln1_weight = Param(Tensor["C", F], init="ones")
     ln2_weight = Param(Tensor["C", F], init="ones")
-    qkv_weight = Param(Tensor["QKV", "C", F])
+    qkv_weight = Param(Tensor["QKV", "C", F], lora_targets=QKV_LORA)
     qkv_bias = Param(Tensor["QKV", F], when="use_qkv_bias", init="zeros")
-    out_weight = Param(Tensor["C", "AttnDim", F])
+    out_weight = Param(Tensor["C", "AttnDim", F], lora_targets=["o"])
     out_bias = Param(Tensor["C", F], when="use_out_bias", init="zeros")
     q_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
     k_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
@@ -233,8 +237,8 @@ class DenseTransformerBlock(_PreNormAttention):
         self.MUp = 2 * self.M
 
     # MLP weights: mlp_up_weight rows are [gate | up], as swiglu reads them
-    mlp_up_weight = Param(Tensor["MUp", "C", F])
-    mlp_down_weight = Param(Tensor["C", "M", F])
+    mlp_up_weight = Param(Tensor["MUp", "C", F], lora_targets=MLP_UP_LORA)
+    mlp_down_weight = Param(Tensor["C", "M", F], lora_targets=["down"])
 
     mlp_up = Activation(
         Tensor["B", "T", "MUp", F],
@@ -495,15 +499,15 @@ class HyperConnectionBlock:
     _constraints_ = (("n_streams >= 1", "n_streams must be positive"),)
 
     ln1_weight = Param(Tensor["C", F], init="ones")
-    qkv_weight = Param(Tensor["QKV", "C", F])
+    qkv_weight = Param(Tensor["QKV", "C", F], lora_targets=QKV_LORA)
     qkv_bias = Param(Tensor["QKV", F], when="use_qkv_bias", init="zeros")
-    out_weight = Param(Tensor["C", "AttnDim", F])
+    out_weight = Param(Tensor["C", "AttnDim", F], lora_targets=["o"])
     out_bias = Param(Tensor["C", F], when="use_out_bias", init="zeros")
     q_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
     k_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
     ln2_weight = Param(Tensor["C", F], init="ones")
-    mlp_up_weight = Param(Tensor["MUp", "C", F])
-    mlp_down_weight = Param(Tensor["C", "M", F])
+    mlp_up_weight = Param(Tensor["MUp", "C", F], lora_targets=MLP_UP_LORA)
+    mlp_down_weight = Param(Tensor["C", "M", F], lora_targets=["down"])
     attn_hc_norm_weight = Param(Tensor["SC", F], init="ones")
     attn_hc_proj = Param(Tensor["HC", "SC", F])
     attn_hc_bias = Param(Tensor["HC", F], init="zeros")
@@ -576,25 +580,20 @@ class HyperConnectionBlock:
         logits = g.matmul_bias(normed, f"{s}_hc_proj", f"{s}_hc_bias", out_name=f"{s}_hc_logits", **_MATMUL)
         pre, post, res = g.split(logits, [n, n, n * n], dim=1,
                                  out_names=[f"{s}_pre_logits", f"{s}_post_logits", f"{s}_res_logits"])
-        h_pre = g.moe_sigmoid(pre, out_name=f"{s}_h_pre")
-        h_post = g.scale(g.moe_sigmoid(post, out_name=f"{s}_post_sigmoid"), 2.0, out_name=f"{s}_h_post")
-        iters, one = self.hc_sinkhorn_iters, g.ones(shape=[1], dtype=F, out_name=f"{s}_one")
+        h_pre = g.sigmoid(pre, out_name=f"{s}_h_pre")
+        h_post = g.scale(g.sigmoid(post, out_name=f"{s}_post_sigmoid"), 2.0, out_name=f"{s}_h_post")
+        iters = self.hc_sinkhorn_iters
         m = g.softmax(g.view(res, shape=[B * T, n, n], out_name=f"{s}_res_logits3"), dim=-1,
                       out_name=f"{s}_sinkhorn_0" if iters else f"{s}_h_res")  # exp with rows normalised
         for i in range(1, iters + 1):
-            m = self._normalise(g, m, one, 1, f"{s}_sinkhorn_{i}_cols")
-            m = self._normalise(g, m, one, 2, f"{s}_sinkhorn_{i}" if i < iters else f"{s}_h_res")
+            m = self._normalise(g, m, 1, f"{s}_sinkhorn_{i}_cols")
+            m = self._normalise(g, m, 2, f"{s}_sinkhorn_{i}" if i < iters else f"{s}_h_res")
         return h_pre, h_post, m
 
-    def _normalise(self, g: Any, m: Any, one: Any, axis: int, name: str) -> Any:
+    def _normalise(self, g: Any, m: Any, axis: int, name: str) -> Any:
         """``m`` [N, n, n] divided by its sums along ``axis`` (1: columns, 2: rows)."""
-        n = self.S
-        sums = g.custom("reduce_sum", m, axes=[axis], out_name=f"{name}_sums")  # [N, n]
-        # kiln has no reciprocal op: 1 / s is the rstd of a one-element RMSNorm of s with eps = 0
-        _, inv = g.rmsnorm(g.view(sums, shape=[B * T, n, 1], out_name=f"{name}_sums3"), one, eps=0.0,
-                           y_name=f"{name}_unit", rstd_name=f"{name}_inv")
-        shape = [B * T, 1, n] if axis == 1 else [B * T, n, 1]
-        return g.mul(m, g.view(inv, shape=shape, out_name=f"{name}_scale"), out_name=name)
+        sums = g.custom("reduce_sum", m, axes=[axis], keepdims=True, out_name=f"{name}_sums")
+        return g.div(m, sums, out_name=name)
 
     def _sublayer(self, g: Any, s: str, h: Any, f: Any) -> Any:
         """``h_res @ h + h_post^T f(h_pre @ h)`` on the streams ``h: [B, T, n * C]``."""

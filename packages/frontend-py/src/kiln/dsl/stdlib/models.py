@@ -16,7 +16,6 @@ from kiln.dsl import (
     Activation,
     Array,
     B,
-    Dim,
     Param,
     T,
     Tensor,
@@ -223,19 +222,20 @@ def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int,
            norm_topk_prob="norm_topk_prob", decoder_sparse_step="decoder_sparse_step",
            mlp_only_layers="mlp_only_layers")
 @hf_mapping.indexed("dense_blocks", **ATTENTION_MAPPINGS, **MLP_MAPPINGS)
+@hf_mapping.indexed("blocks", layer_offset="n_dense_layers", **ATTENTION_MAPPINGS, **MOE_MAPPINGS)
 class Qwen3MoEModel(_CausalLM):
     """Qwen3-MoE: Qwen3 attention; MoE MLPs, except in the dense layers HF's config selects.
 
     A ``call`` repeats one block body, so dense and MoE layers are two stacks of two blocks:
     ``dense_blocks`` (DenseTransformerBlock, HF layers 0 .. n_dense_layers - 1) runs first, then
-    ``blocks`` (MoETransformerBlock; ``blocks.{i}`` is HF layer ``n_dense_layers + i``). The dense
-    layers must therefore come first (``mlp_only_layers = [0, ..., k - 1]``; released Qwen3-MoE
-    checkpoints have none); interleaved layouts (``decoder_sparse_step > 1``) are rejected with E027.
+    ``blocks`` (MoETransformerBlock; its mapping's ``layer_offset`` makes ``blocks.{i}`` HF layer
+    ``n_dense_layers + i``). The dense layers must therefore come first (``mlp_only_layers =
+    [0, ..., k - 1]``; released Qwen3-MoE checkpoints have none); interleaved layouts
+    (``decoder_sparse_step > 1``) are rejected with E027.
     """
 
     dense_blocks = Param(Array["n_dense_layers", DenseTransformerBlock], when="n_dense_layers > 0")
     blocks = Param(Array["n_moe_layers", MoETransformerBlock], when="n_moe_layers > 0")
-    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MOE_MAPPINGS}
     _constraints_ = (*_CausalLM._constraints_,
                      ("dense_layers_first", "dense layers (mlp_only_layers, decoder_sparse_step) must all "
                       "come before the MoE layers: kiln runs one dense stack, then one MoE stack"))
@@ -321,7 +321,6 @@ class HyperConnectionModel(_CausalLM):
         tie_word_embeddings: bool = False,
     ):
         self._configure(locals())
-        self.S = Dim("n_streams")  # the block's name for it: call outputs keep the block's symbols
 
     @forward
     def forward(
