@@ -1,9 +1,11 @@
-"""kiln-hf: the HuggingFace bridge: configs, safetensors weights in and out, tokenizers and data."""
+"""kiln-hf: the HuggingFace bridge: checkpoints in and out (``from_pretrained``), safetensors, RoPE,
+tokenizers and data."""
 
 from importlib.metadata import version
 
 from kiln.hf._data import IGNORE_INDEX, PackedDataset
 from kiln.hf._errors import CheckpointError, DataError, HFConfigError
+from kiln.hf._pretrained import PretrainedModel, from_pretrained, shift_labels
 from kiln.hf._rope import ROPE_TYPES, rope_inv_freq, rope_parameters, rope_table
 from kiln.hf._safetensors import Checkpoint, TensorInfo, open_checkpoint, parse_size, save_checkpoint
 from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_bpe_tokenizer
@@ -19,8 +21,10 @@ __all__ = [
     "DataError",
     "HFConfigError",
     "PackedDataset",
+    "PretrainedModel",
     "TensorInfo",
     "__version__",
+    "from_pretrained",
     "load_tokenizer",
     "open_checkpoint",
     "parse_size",
@@ -29,5 +33,6 @@ __all__ = [
     "rope_table",
     "save_checkpoint",
     "save_tokenizer",
+    "shift_labels",
     "train_bpe_tokenizer",
 ]

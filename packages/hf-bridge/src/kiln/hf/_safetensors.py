@@ -259,6 +259,26 @@ class Checkpoint:
         del view  # the mmap must not stay exported, or close() would fail
         return out
 
+    def read_into(self, key: str, out: np.ndarray, index: tuple[Any, ...] | None = None) -> None:
+        """Copy tensor ``key`` (or its part ``index``) into the array ``out``, casting as it goes.
+
+        The bytes go from the memory map straight into ``out`` (which may be a strided view, e.g. a
+        transposed or sliced part of a larger array): no copy of the tensor is made on the way.
+        """
+        t = self.info(key)
+        stored = _DTYPES[t.dtype]
+        count = (t.end - t.start) // stored.itemsize
+        view = np.frombuffer(self._map(t.file), stored, count, t.start).reshape(t.shape) if count else \
+            np.zeros(t.shape, stored)
+        part = view if index is None else view[index]
+        try:
+            if part.shape != out.shape:
+                raise CheckpointError(f"shape {list(part.shape)} differs from the expected {list(out.shape)}",
+                                      file=t.file, tensor=key)
+            np.copyto(out, part, casting="unsafe")
+        finally:
+            del view, part  # the mmap must not stay exported, or close() would fail
+
     def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:
             try:
