@@ -62,9 +62,10 @@ def test_an_elementwise_op_writes_over_an_input_that_dies_there() -> None:
     assert _slot_of(program, "s") == _slot_of(program, "h")
 
 
-def test_recompute_modes_other_than_none_are_rejected_naming_the_valid_one() -> None:
-    with pytest.raises(KilnError, match=r"recompute='block' is not available yet; valid: 'none'"):
-        compile(tiny_qwen3_bundle(), bindings=BINDS, recompute="block")
+def test_unknown_recompute_modes_budgets_and_backends_are_rejected_naming_the_valid_ones() -> None:
+    with pytest.raises(KilnError, match=r"recompute='blocks' is not valid; expected one of 'none', 'dsl', "
+                                        r"'auto', 'block'"):
+        compile(tiny_qwen3_bundle(), bindings=BINDS, recompute="blocks")
     with pytest.raises(KilnError, match="exceeds memory_budget"):
         compile(tiny_qwen3_bundle(), bindings=BINDS, memory_budget=1000)
     with pytest.raises(KilnError, match="kiln-kernels-cuda"):

@@ -28,8 +28,9 @@ from kiln.core._ops import (
 )
 from kiln.core._optim import AdamW
 from kiln.core._plugins import get_registry, list_plugins, plugin_manager, register_plugin, reset_plugins
-from kiln.core._program import Program, RecomputePlan, Slot, Step, Tensor, compile
+from kiln.core._program import Program, Slot, Step, Tensor, compile
 from kiln.core._registry import NamedRegistry, PluginInfo
+from kiln.core.recompute import RecomputePlan
 
 try:
     __version__ = version("kiln-core")

@@ -17,9 +17,11 @@ def kiln_register_ops(registry: Any) -> None:
 
 @hookimpl
 def kiln_cli_commands(register: Callable[..., None]) -> None:
-    from kiln.core._cli import run_plugins
+    from kiln.core._cli import configure_plan, run_plan, run_plugins
 
     register("plugins", help="list the loaded plugins with their distribution and version", run=run_plugins)
+    register("plan", help="print the recompute plan of a model per layer and its planned peak memory",
+             run=run_plan, configure=configure_plan)
 
 
 @hookimpl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -72,3 +73,122 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
+
+
+# ---------------------------------------------------------------------------------------------
+# kiln plan
+
+
+def configure_plan(p: argparse.ArgumentParser) -> None:
+    from kiln.core.recompute import MODES
+
+    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model) or an IR Bundle .json file")
+    p.add_argument("--config", default=None,
+                   help="the model's config: a JSON object, or a .json file holding one (DSL models)")
+    p.add_argument("--mode", choices=("full", "lora"), default="full", help="training mode (default full)")
+    p.add_argument("--recompute", choices=MODES, default="dsl", help="recompute mode (default dsl)")
+    p.add_argument("--budget", default=None,
+                   help="auto budget, the activation peak allowed: bytes (123456, 64MiB) or a fraction of "
+                        "the activation peak without recompute (0.5, 50%%)")
+    p.add_argument("--batch", type=int, default=8, help="batch size B (default 8)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length T (default 256)")
+    p.add_argument("--pareto", action="store_true",
+                   help="print every auto plan: saved activations, planned peak and extra FLOPs")
+
+
+def parse_budget(text: str | None) -> float | None:
+    """``123456`` (bytes), ``64MiB``, ``0.5`` or ``50%`` (fractions)."""
+    if text is None:
+        return None
+    t = text.strip()
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    try:
+        if t.endswith("%"):
+            return float(t[:-1]) / 100
+        for unit, scale in units.items():
+            if t.endswith(unit):
+                return int(float(t[:-len(unit)]) * scale)
+        return int(t) if t.isdigit() else float(t)
+    except ValueError:
+        raise KilnError(f"--budget {text!r} is not a budget; give bytes (123456, 64MiB) or a fraction "
+                        "(0.5, 50%)") from None
+
+
+def _load_model(name: str, config: str | None) -> Any:
+    import json
+    from pathlib import Path
+
+    from kiln.core._ir import from_json
+
+    if name.endswith(".json") or Path(name).is_file():
+        path = Path(name)
+        if not path.is_file():
+            raise KilnError(f"no such IR file: {name}")
+        return from_json(path.read_text(encoding="utf-8"))
+    cfg: dict[str, Any] = {}
+    if config:
+        text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
+        try:
+            cfg = json.loads(text)
+        except ValueError as exc:
+            raise KilnError(f"--config is neither a JSON object nor a JSON file: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise KilnError(f"--config must be a JSON object, found {type(cfg).__name__}")
+    try:
+        build_bundle = importlib.import_module("kiln.dsl").build_bundle
+    except ImportError:
+        raise KilnError(f"model {name!r}: registered model names come from kiln-dsl, which is not installed",
+                        hint="pip install kiln-dsl, or pass an IR Bundle .json file") from None
+    return build_bundle(name, cfg)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kiln.core._program import compile
+    from kiln.core.recompute import _size
+
+    bundle = _load_model(args.model, args.config)
+    budget = parse_budget(args.budget)
+    binds = {"B": args.batch, "T": args.seq}
+    prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget)
+    plan = prog.recompute
+    report = prog.memory_report()
+    print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={args.batch} T={args.seq}, "
+          f"planned by {plan.planner} in {plan.seconds * 1e3:.1f} ms")
+    if not any(p.trainable for p in prog.params):
+        print(f"note: no parameter trains in {args.mode} mode (LoRA needs lora_* parameters)")
+    print()
+    print(plan.table())
+    print()
+    print("planned peak:")
+    for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations",
+              "transient", "peak"):
+        extra = ""
+        if k == "saved_activations" and plan.reference_bytes:
+            extra = f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} " \
+                    "without recompute)"
+        print(f"  {k:<18} {_size(report[k]):>12}{extra}")
+    if plan.budget is not None:
+        act = report["saved_activations"] + report["transient"]
+        print(f"  activation peak {_size(act)} within the budget of {_size(plan.budget)}")
+    if args.pareto:
+        fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
+        _print_pareto(bundle, binds, args.mode, fixed)
+    return 0
+
+
+def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> None:
+    from kiln.core._program import measure
+    from kiln.core.recompute import _size, pareto, plan_context
+
+    points = pareto(plan_context(bundle, bindings=binds, mode=mode), measure=measure(bundle, binds, mode))
+    rows = [("budget", "saved", "activations", "peak", "extra GFLOP", "matmul")]
+    for pt in points:
+        act = pt.peak or 0
+        rows.append((str(act), _size(pt.bytes), _size(act), _size(act + fixed), f"{pt.flops / 1e9:.3f}",
+                     "yes" if pt.matmul else ""))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    print()
+    print("auto plans (budget in activation bytes -> saved, activation peak, planned peak, extra FLOPs "
+          "per step):")
+    for r in rows:
+        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))

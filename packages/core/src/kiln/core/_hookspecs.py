@@ -68,23 +68,29 @@ def kiln_register_graph_passes(registry: NamedRegistry[Any]) -> None:
 
 @hookspec(firstresult=True)
 def kiln_plan_recompute(
-    graph: Any, layout: Any, mode: str, policy: str, budget: int | None, options: Any
+    graph: Any, layout: Any, mode: str, training: str, budget: float | None, options: Any
 ) -> Any:
     """Decide which forward activations to save and which to recompute in the backward pass.
 
-    :param graph: The forward graph to plan for.
-    :param layout: The graph's layout: its repeated blocks and the activation-slot hints the
-        model declared.
-    :param mode: The planning mode: ``"dsl"`` (from activation-slot hints), ``"auto"`` (under
-        a memory budget) or ``"block"`` (keep only block inputs).
-    :param policy: When recompute applies for the training mode: ``"always"``,
-        ``"lora_only"``, ``"fft_only"`` or ``"never"``.
-    :param budget: The activation memory budget in bytes, or None for no limit.
-    :param options: The remaining planner options.
+    :param graph: The model's forward graph (the ``Graph`` of its entry module).
+    :param layout: A ``kiln.core.recompute.PlanContext``: the model, each repeated block with its
+        forward graph, activation-slot hints, the tensors its backward reads, the bytes of every
+        tensor and the cost of every op for the shape being compiled.
+    :param mode: The planning mode asked for: ``"none"``, ``"dsl"`` (from activation-slot hints),
+        ``"auto"`` (under a memory budget) or ``"block"`` (keep only block inputs).
+    :param training: The training mode, ``"full"`` or ``"lora"``; slot policies (``always``,
+        ``lora_only``, ``fft_only``, ``never``) are gated by it.
+    :param budget: The auto planner's budget, the activation peak allowed: bytes (int), a
+        fraction of the activation peak without recompute (float), or None for the default (0.5).
+    :param options: The remaining planner options, a dict: ``allow_matmul`` (None: replay
+        matmuls only when the budget forces it) and ``measure`` (a function from a plan to the
+        activation peak of the Program compiled with it, when planning inside ``compile``).
 
     Return a ``kiln.core.recompute.RecomputePlan`` to replace the built-in planner, or None to
     defer to the next implementation. Stops at the first non-None result (``firstresult``);
-    when every implementation defers, the built-in planner decides.
+    when every implementation defers, the built-in planner decides. kiln checks the plan
+    (every replayed op must be computable inside its block) and names the plugin if it is not.
+    In 0.3 the ``policy`` parameter became ``training`` and ``layout`` a ``PlanContext``.
 
     .. versionadded:: 0.1
     """

@@ -29,16 +29,21 @@ class Model:
     """A model compiled from IR, its weights and its AdamW state, all in one arena.
 
     ``labels[b, t]`` is the target of position ``t`` (already shifted: the next token), or -100 to
-    ignore the position. The loss is the mean over the positions not ignored.
+    ignore the position. The loss is the mean over the positions not ignored. ``recompute`` and
+    ``recompute_budget`` choose the recompute plan of every training Program (see ``compile``).
     """
 
     def __init__(self, module_ir: Bundle | Module, *, seed: int = 0, dtype: str = "float32",
                  optimizer: AdamW | None = None, mode: str = "full", backend: str = "numpy",
-                 modules: Mapping[str, Module] | None = None) -> None:
+                 modules: Mapping[str, Module] | None = None, recompute: str = "none",
+                 recompute_budget: float | None = None) -> None:
         from kiln.core._plugins import get_registry
+        from kiln.core.recompute import MODES
 
         _choice("dtype", dtype, DTYPES)
+        _choice("recompute", recompute, MODES)
         self.ir, self.modules, self.dtype, self.mode = module_ir, modules, dtype, mode
+        self.recompute, self.recompute_budget = recompute, recompute_budget
         self.optimizer = optimizer or AdamW()
         self.backend = get_registry("backends")[backend]
         self.backend_name = backend
@@ -76,11 +81,13 @@ class Model:
             view = self._state[key]
             if kind == "normal":
                 view[...] = rng.standard_normal(shape) * float(spec.init.get("std", default_std))
+            elif kind == "uniform":
+                view[...] = rng.uniform(float(spec.init["low"]), float(spec.init["high"]), shape)
             elif kind in ("ones", "zeros"):
                 view[...] = 1.0 if kind == "ones" else 0.0
             else:
                 raise KilnError(f"parameter {key!r}: unknown init kind {kind!r}; "
-                                "expected normal, ones or zeros")
+                                "expected normal, uniform, ones or zeros")
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of every stored parameter (tied ones appear once, under the name they are tied to)."""
@@ -128,7 +135,7 @@ class Model:
         if key not in self._programs:
             prog = compile(self.ir, bindings={"B": key[1], "T": key[2]}, backend=self.backend_name,
                            mode=self.mode, modules=self.modules, task=task, optimizer="adamw",
-                           dtype=self.dtype)
+                           dtype=self.dtype, recompute=self.recompute, recompute_budget=self.recompute_budget)
             assert prog.persistent_bytes == self._persistent
             self._programs[key] = prog
         prog = self._programs[key]

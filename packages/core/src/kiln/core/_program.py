@@ -12,14 +12,18 @@ Lowering (seed 004 §9.7.3) is three passes, each a function of the previous res
    model only (every Program of a model shares them), then the inputs, then every other slot
    packed by lifetime (greedy by size, first fit).
 
-The recompute plan is consulted by the scheduler; only ``recompute="none"`` exists for now.
+Between the forward and the backward, the recompute planner (:mod:`kiln.core.recompute`) decides per
+block what the backward reads saved and what it recomputes; the scheduler places each recompute op
+right before the first backward step that reads one of its outputs (block mode: the whole block
+before the layer's backward), replaying the forward ops with their kernels and attributes.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,9 +33,9 @@ from kiln.core._autodiff import DeriveBackwardOptions, derive_backward
 from kiln.core._dims import evaluate_shape, parse_dim
 from kiln.core._errors import KilnError, OpError
 from kiln.core._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
-from kiln.core._ops import InferContext, OpRegistry
+from kiln.core._ops import Cost, InferContext, OpRegistry
+from kiln.core.recompute import BlockContext, BlockPlan, PlanContext, RecomputePlan, plan_recompute
 
-RECOMPUTE_MODES = ("none",)
 TRAINING_MODES = ("full", "lora")
 TASKS = ("train", "logits")
 DTYPES = ("float32", "float64")
@@ -48,23 +52,6 @@ def _align(n: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Plan objects
-
-
-@attrs.frozen
-class RecomputePlan:
-    """Which forward tensors the backward recomputes instead of reading them saved (none yet)."""
-
-    mode: str = "none"
-    recompute: tuple[str, ...] = ()
-
-
-def plan_recompute(model: Module, *, mode: str, memory_budget: int | None, training: str) -> RecomputePlan:
-    """The recompute plan the scheduler consults. Only ``"none"`` exists so far."""
-    if mode not in RECOMPUTE_MODES:
-        valid = ", ".join(map(repr, RECOMPUTE_MODES))
-        raise KilnError(f"recompute={mode!r} is not available yet; valid: {valid}",
-                        hint="dsl, auto and block recompute come with the recompute planner")
-    return RecomputePlan(mode)
 
 
 @attrs.frozen
@@ -99,7 +86,8 @@ class Slot:
 class Step:
     """One scheduled op. ``how``: ``kernel`` (reference kernel, result copied into the slot),
     ``out`` (the op's ``out_kernel`` writes the slot), ``alias`` (nothing to run: the output
-    shares its input's storage), ``copy`` (a view that must land in its own slot), ``optimizer``."""
+    shares its input's storage), ``copy`` (a view that must land in its own slot), ``optimizer``.
+    ``recompute``: a forward op replayed in the backward (its outputs are ``<key>:recompute``)."""
 
     index: int
     phase: str
@@ -109,10 +97,12 @@ class Step:
     outputs: tuple[str, ...]
     how: str
     attrs: FrozenDict = attrs.field(factory=FrozenDict)
+    recompute: bool = False
 
     def __str__(self) -> str:
         where = f" [layer {self.layer}]" if self.layer is not None else ""
-        return (f"{self.index:>4} {self.phase[:3]} {self.how:<5} {', '.join(self.outputs)} = "
+        phase = "rec" if self.recompute else self.phase[:3]
+        return (f"{self.index:>4} {phase} {self.how:<5} {', '.join(self.outputs)} = "
                 f"{self.op.type}({', '.join(i or '_' for i in self.inputs)}){where}")
 
 
@@ -228,12 +218,13 @@ def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping
         for i in range(spec.count.evaluate(binds)):
             for bspec in block.params:
                 out.append((f"{spec.name}.{i}.{bspec.name}", bspec, evaluate_shape(bspec.shape, bbinds),
-                            _trains(bspec, mode) and _trains(spec, mode)))
+                            _trains(bspec, mode) and not spec.frozen))
     return out
 
 
 def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: str = "numpy",
-            mode: str = "full", recompute: str = "none", memory_budget: int | None = None,
+            mode: str = "full", recompute: str = "none", recompute_budget: float | None = None,
+            recompute_options: Mapping[str, Any] | None = None, memory_budget: int | None = None,
             modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: str | None = "adamw",
             dtype: str = "float32", registry: OpRegistry | None = None) -> Program:
     """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``).
@@ -242,6 +233,9 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     ``task="logits"`` schedules the forward with the LM-head loss replaced by its logits. ``dtype``
     is the float type float tensors compute in. Weights, gradients and optimizer state are laid out
     the same way for every task and binding, so all Programs of a model can share one arena.
+    ``recompute``: ``none``, ``dsl``, ``auto`` or ``block`` (see :mod:`kiln.core.recompute`);
+    ``recompute_budget``: the auto planner's budget, the activation peak allowed in bytes (int) or as
+    a fraction of the no-recompute activation peak (float), 0.5 by default.
     """
     from kiln.core._plugins import get_registry
 
@@ -258,9 +252,13 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
 
         registry = op_registry()
     binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
-    plan = plan_recompute(model, mode=recompute, memory_budget=memory_budget, training=mode)
     s = _Scheduler(model, mods, registry, binds, np.dtype(dtype), mode)
-    s.schedule(task, optimizer)
+    s.schedule_forward(task)
+    plan = RecomputePlan("none", mode)
+    if task == "train":
+        plan = plan_recompute(s.plan_context(), recompute, budget=recompute_budget,
+                              options={"measure": _measure(s, optimizer), **(recompute_options or {})})
+    s.schedule_rest(task, optimizer, plan)
     t1 = time.perf_counter()
     slots, tensors, persistent, arena = _place(s)
     t2 = time.perf_counter()
@@ -268,12 +266,55 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
         name=model.name, backend=backend, task=task, mode=mode, dtype=dtype, bindings=FrozenDict(binds),
         steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots), params=tuple(s.param_infos()),
         persistent_bytes=persistent, arena_bytes=arena, output="loss" if task == "train" else "logits",
-        recompute=plan, passes=(("schedule", t1 - t0), ("plan_memory", t2 - t1)),
+        recompute=plan, passes=(("schedule", t1 - t0 - plan.seconds), ("plan_recompute", plan.seconds),
+                                ("plan_memory", t2 - t1)),
     )
     if memory_budget is not None and arena > memory_budget:
         raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
-                        hint="recompute modes that trade compute for memory come with the recompute planner")
+                        hint="recompute='block' or recompute='auto' trade compute for memory")
     return program
+
+
+def _context(module_ir: Bundle | Module, *, bindings: Mapping[str, int], mode: str,
+             modules: Mapping[str, Module] | None, dtype: str, registry: OpRegistry | None) -> PlanContext:
+    _choice("mode", mode, TRAINING_MODES)
+    model, mods = _resolve(module_ir, modules)
+    if registry is None:
+        from kiln.core._oplib import op_registry
+
+        registry = op_registry()
+    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+    s = _Scheduler(model, mods, registry, binds, np.dtype(dtype), mode)
+    s.schedule_forward("train")
+    return s.plan_context()
+
+
+def measure(module_ir: Bundle | Module, bindings: Mapping[str, int], mode: str = "full", *,
+            modules: Mapping[str, Module] | None = None, dtype: str = "float32",
+            optimizer: str | None = "adamw") -> Callable[[RecomputePlan], int]:
+    """plan -> the activation peak (arena minus weights, gradients, optimizer state, inputs and outputs)
+    of the training Program compiled with that plan."""
+    from kiln.core._oplib import op_registry
+
+    _choice("mode", mode, TRAINING_MODES)
+    model, mods = _resolve(module_ir, modules)
+    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+    s = _Scheduler(model, mods, op_registry(), binds, np.dtype(dtype), mode)
+    s.schedule_forward("train")
+    return _measure(s, optimizer)
+
+
+FIXED_KINDS = ("weight", "gradient", "optimizer_state", "input", "output")
+
+
+def _measure(s: _Scheduler, optimizer: str | None) -> Callable[[RecomputePlan], int]:
+    def peak(plan: RecomputePlan) -> int:
+        trial = s.fork()
+        trial.schedule_rest("train", optimizer, plan)
+        slots, _, _, arena = _place(trial)
+        return arena - sum(sl.nbytes for sl in slots if sl.kind in FIXED_KINDS)
+
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,6 +327,9 @@ class _Call:
     prefix: str
     layers: list[dict[str, str]]  # per layer: block tensor name -> key
     binds: dict[str, int]
+    inputs: list[str] = attrs.Factory(list)  # keys the stack reads and returns
+    outputs: list[str] = attrs.Factory(list)
+    first_steps: list[int] = attrs.Factory(list)  # the step of each op of layer 0
 
 
 class _Scheduler:
@@ -301,6 +345,11 @@ class _Scheduler:
         self.grads: dict[str, str] = {}  # param key -> key of its gradient tensor
         self.calls: dict[tuple[str, ...], _Call] = {}
         self.optimizer: str | None = None
+        self._derived: dict[tuple[str, DeriveBackwardOptions], Any] = {}
+        self._added: dict[Any, Any] = {}
+        self._np_dtypes: dict[str, str] = {}
+        self.plan = RecomputePlan()
+        self.shared: dict[tuple[str, str, str], list[str]] = {}  # (block, stack, tensor) -> each layer's copy
         for key, _, shape, _ in self.params:
             self.types[key] = (shape, "fp32")
             self.kinds[key] = "weight"
@@ -308,30 +357,40 @@ class _Scheduler:
     # -- helpers
 
     def np_dtype(self, ir_dtype: str) -> str:
-        return str(self.float_dtype) if is_float(ir_dtype) else str(np.dtype({"int8": np.int8,
-                                                                              "int32": np.int32}[ir_dtype]))
+        if ir_dtype not in self._np_dtypes:
+            self._np_dtypes[ir_dtype] = str(self.float_dtype) if is_float(ir_dtype) else \
+                str(np.dtype({"int8": np.int8, "int32": np.int32}[ir_dtype]))
+        return self._np_dtypes[ir_dtype]
 
     def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
-            layer: int | None = None) -> None:
-        opdef = self.registry.get_op(op.type)
-        resolved = opdef.resolve_attrs(op.attrs)
-        types = [TensorType(self.types[k][0], self.types[k][1]) if k else None for k in ins]
-        kinds = {a.name: a.kind for a in opdef.attrs}
-        concrete = {k: opdef.kernel_attrs({k: v}, binds)[k] if kinds.get(k) in ("dim", "dims") else v
-                    for k, v in resolved.items()}  # shape rules then see numbers, not symbols
-        try:
-            inferred = opdef.infer(InferContext(op.type, types, concrete))
-            for k, t in zip(outs, inferred, strict=True):
-                if k:
-                    self.types[k] = (evaluate_shape(t.shape, binds), t.dtype)
-        except KilnError as exc:
-            raise KilnError(f"op {op.type!r} producing {', '.join(o for o in outs if o)!r}"
-                            f"{f' in layer {layer}' if layer is not None else ''}: {exc.message}",
-                            code=exc.code or "E004") from None
-        kattrs = opdef.kernel_attrs(resolved, binds, self.float_dtype)
-        how = "alias" if op.type in ALIAS_OPS else "out" if opdef.out_kernel is not None else "kernel"
-        self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how,
-                               FrozenDict(kattrs)))
+            layer: int | None = None, recompute: bool = False) -> None:
+        in_types = tuple(self.types[k] if k else None for k in ins)
+        memo = (op, in_types, tuple(sorted(binds.items())))  # a block op runs per layer (and per trial plan)
+        if memo not in self._added:
+            opdef = self.registry.get_op(op.type)
+            resolved = opdef.resolve_attrs(op.attrs)
+            types = [TensorType(t[0], t[1]) if t else None for t in in_types]
+            kinds = {a.name: a.kind for a in opdef.attrs}
+            concrete = {k: opdef.kernel_attrs({k: v}, binds)[k] if kinds.get(k) in ("dim", "dims") else v
+                        for k, v in resolved.items()}  # shape rules then see numbers, not symbols
+            try:
+                inferred = [(evaluate_shape(t.shape, binds), t.dtype)
+                            for t in opdef.infer(InferContext(op.type, types, concrete))]
+                if len(inferred) != len(outs):
+                    raise KilnError(f"its shape rule gives {len(inferred)} outputs, the op names {len(outs)}")
+            except KilnError as exc:
+                raise KilnError(f"op {op.type!r} producing {', '.join(o for o in outs if o)!r}"
+                                f"{f' in layer {layer}' if layer is not None else ''}: {exc.message}",
+                                code=exc.code or "E004") from None
+            kattrs = FrozenDict(opdef.kernel_attrs(resolved, binds, self.float_dtype))
+            how = "alias" if op.type in ALIAS_OPS else "out" if opdef.out_kernel is not None else "kernel"
+            self._added[memo] = (inferred, kattrs, how)
+        inferred, kattrs, how = self._added[memo]
+        for k, t in zip(outs, inferred, strict=True):
+            if k:
+                self.types[k] = t
+        self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how, kattrs,
+                               recompute))
 
     def declare(self, key: str, shape: Sequence[Any], dtype: str, binds: Mapping[str, int],
                 kind: str) -> None:
@@ -348,12 +407,13 @@ class _Scheduler:
 
     # -- the passes over the graphs
 
-    def schedule(self, task: str, optimizer: str | None) -> None:
-        self.optimizer = optimizer
+    def schedule_forward(self, task: str) -> None:
+        self.task = task
         graph = self.model.forward
         assert graph is not None
         if task == "logits":
             graph = _logits_graph(graph)
+        self.graph = graph
         env: dict[str, str] = {}
         used = {i for op in graph.ops for i in op.inputs}
         for d in graph.inputs:
@@ -374,8 +434,21 @@ class _Scheduler:
                          self.binds)
         out = "logits" if task == "logits" else "loss"
         self.kinds[env[out]] = "output"  # read by the caller after the run: live to the end
+        self.env = env
+
+    def fork(self) -> _Scheduler:
+        """A copy of this scheduler after its forward, to schedule a backward on (caches shared)."""
+        new = copy.copy(self)
+        new.steps, new.types, new.kinds = list(self.steps), dict(self.types), dict(self.kinds)
+        new.grads = dict(self.grads)
+        new.shared = {}
+        return new
+
+    def schedule_rest(self, task: str, optimizer: str | None, plan: RecomputePlan) -> None:
+        self.optimizer = optimizer
+        self.plan = plan
         if task == "train":
-            self.backward(graph, env)
+            self.backward(self.graph, self.env)
         # gradients and optimizer state exist for every task, so that all Programs share one layout
         for key, _, shape, _ in self.params:
             missing = key in self.trainable and key not in self.grads
@@ -386,6 +459,73 @@ class _Scheduler:
                 self.grads.setdefault(key, f"grad.{key}")
         if task == "train" and optimizer is not None:
             self.optimizer_steps()
+
+    # -- what the recompute planner sees
+
+    def nbytes(self, key: str) -> int:
+        shape, dt = self.types[key]
+        return _align(math.prod(shape) * np.dtype(self.np_dtype(dt)).itemsize)
+
+    def derived(self, graph: Graph, opts: DeriveBackwardOptions) -> Any:
+        key = (graph.name, opts)
+        if key not in self._derived:
+            self._derived[key] = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+        return self._derived[key]
+
+    def block_options(self, call: _Call) -> DeriveBackwardOptions:
+        assert call.callee.forward is not None
+        return DeriveBackwardOptions(stop_gradients=self.stops(call.callee.forward, f"{call.prefix}.0."),
+                                     loss_name=None)
+
+    def plan_context(self) -> PlanContext:
+        """The blocks of the forward just scheduled, sized and costed for this shape."""
+        blocks: dict[str, BlockContext] = {}
+        call_keys: set[str] = set()
+        for call in self.calls.values():
+            g = call.callee.forward
+            assert g is not None
+            lenv = call.layers[0]
+            call_keys.update(call.inputs + call.outputs)
+            if call.callee.name in blocks:  # one block in two stacks: one plan for both
+                b = blocks[call.callee.name]
+                blocks[call.callee.name] = attrs.evolve(b, layers=b.layers + len(call.layers))
+                continue
+            sizes = {n: self.nbytes(k) for n, k in lenv.items() if k in self.types}
+            costs = [self.cost(self.steps[i]) for i in call.first_steps]
+            # no gradient reaches the stack (nothing trains through it): its backward never runs
+            runs = call.prefix in self.differentiated()
+            saves = self.derived(g, self.block_options(call)).saves if runs else ()
+            carries = tuple((o.name, i.name) for o, i in zip(g.outputs, g.inputs, strict=False))
+            blocks[call.callee.name] = BlockContext(call.callee, len(call.layers), saves, FrozenDict(sizes),
+                                                    tuple(costs), carries)
+        fixed = 0
+        if self.task == "train":
+            root: dict[str, str] = {}
+            for st in self.steps:
+                for o in st.outputs:
+                    if o:
+                        root[o] = root.get(st.inputs[0], st.inputs[0]) if st.how == "alias" else o
+            saves = self.derived(self.graph, DeriveBackwardOptions(
+                loss_name="loss", stop_gradients=self.stops(self.graph))).saves
+            keys = {root.get(self.env[n], self.env[n]) for n in saves if n in self.env}
+            fixed = sum(self.nbytes(k) for k in keys if k not in self.kinds and k not in call_keys)
+        return PlanContext(self.model, tuple(blocks.values()), self.mode, self.registry, fixed,
+                           frozenset(self.env))
+
+    def differentiated(self) -> set[str]:
+        """The stacks (by parameter prefix) whose backward the model's backward runs."""
+        opts = DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(self.graph))
+        ops = self.derived(self.graph, opts).backward.ops
+        return {str(op.attrs.get("params", "blocks")) for op in ops if op.type == "call_backward"}
+
+    def cost(self, step: Step) -> Cost:
+        opdef = self.registry.get_op(step.op.type)
+        if step.how == "alias":
+            return Cost()
+        if opdef.cost is None:
+            return Cost(0.0, float(sum(self.nbytes(k) for k in step.outputs if k)))
+        shapes = [self.types[k][0] if k else () for k in step.inputs]
+        return opdef.cost(shapes, step.attrs)
 
     def own(self, names: Sequence[str], env: dict[str, str], prefix: str = "") -> list[str]:
         """Keys for the outputs of an op (``prefix + name``), recorded in ``env``."""
@@ -418,6 +558,8 @@ class _Scheduler:
                             f"outputs; the block takes {len(g.inputs)} and returns {len(g.outputs)}",
                             code="E003")
         layers: list[dict[str, str]] = []
+        first: list[int] = []
+        call_inputs = list(carry)
         for i in range(n_layers):
             lenv: dict[str, str] = {}
             for d, key in zip(g.inputs, carry, strict=True):
@@ -433,13 +575,16 @@ class _Scheduler:
                     raise KilnError(f"block parameter {d.name!r} has no ParamSpec in {callee.name!r}",
                                     code="E002")
             for bop in g.ops:
+                if i == 0:
+                    first.append(len(self.steps))
                 self.add("forward", bop, [lenv[n] if n else "" for n in bop.inputs],
                          self.own(bop.outputs, lenv, f"{prefix}.{i}."), binds, i)
             carry[:len(g.outputs)] = [lenv[d.name] for d in g.outputs]
             layers.append(lenv)
         for name, key in zip(op.outputs, carry, strict=False):
             env[name] = key
-        self.calls[(callee.name, prefix)] = _Call(callee, prefix, layers, binds)
+        self.calls[(callee.name, prefix)] = _Call(callee, prefix, layers, binds, call_inputs,
+                                                  carry[:len(g.outputs)], first)
 
     def stops(self, graph: Graph, prefix: str = "") -> tuple[str, ...]:
         """Parameters of ``graph`` that get no gradient; a stack trains if any of its parameters does."""
@@ -447,8 +592,7 @@ class _Scheduler:
                      and not any(k.startswith(f"{d.name}.") for k in self.trainable))
 
     def backward(self, graph: Graph, env: dict[str, str]) -> None:
-        opts = DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(graph))
-        res = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+        res = self.derived(graph, DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(graph)))
         benv: dict[str, str] = {}
         for d in res.backward.inputs:
             if d.name != SEED:
@@ -502,8 +646,8 @@ class _Scheduler:
         g = callee.forward
         assert g is not None
         n_out = len(g.outputs)
-        opts = DeriveBackwardOptions(stop_gradients=self.stops(g, f"{call.prefix}.0."), loss_name=None)
-        res = derive_backward(g, opts, registry=self.registry, modules=self.modules)
+        res = self.derived(g, self.block_options(call))
+        bplan = self.plan.block(callee.name)
         p = str(res.backward.metadata.get("grad_prefix", "d_"))
         grads = dict(res.grads)
         fed = {d.name for d in res.backward.inputs}
@@ -513,8 +657,12 @@ class _Scheduler:
             lenv = call.layers[i]
             e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
             pre = f"{call.prefix}.{i}."
+            rc = _Replay(self, bplan, call, i) if bplan is not None and bplan.recomputed else None
+            if rc is not None and bplan is not None and bplan.whole_block:
+                rc.all()
             for bop in res.backward.ops:
-                bins = [self.read(n, e, lenv) for n in bop.inputs]
+                bins = [rc.key(n[6:]) if rc is not None and n.startswith("saved.") and n[6:] in rc.recomputed
+                        else self.read(n, e, lenv) for n in bop.inputs]
                 self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i)
             for d in g.params:
                 if d.name in grads and lenv[d.name] in self.trainable:
@@ -557,6 +705,61 @@ class _Scheduler:
             ins = (key, self.grads[key], f"adamw.m.{key}", f"adamw.v.{key}", ws)
             self.steps.append(Step(len(self.steps), "optimizer", Op("adamw", ins, ()), None, ins, (),
                                    "optimizer"))
+
+
+class _Replay:
+    """The recompute ops of one layer, emitted on demand: right before the first backward step that
+    reads one of their outputs (after what they read themselves). Outputs are ``<key>:recompute``."""
+
+    def __init__(self, s: _Scheduler, plan: BlockPlan, call: _Call, layer: int) -> None:
+        self.s, self.plan, self.call, self.layer = s, plan, call, layer
+        self.lenv = call.layers[layer]
+        self.recomputed = set(plan.recomputed)
+        self.unit = {o: u for u, rop in reversed(list(enumerate(plan.ops))) for op in rop.replay
+                     for o in op.outputs if o}
+        self.keys: dict[str, str] = {}
+        self.busy: set[int] = set()
+
+    def key(self, name: str) -> str:
+        if name not in self.keys:
+            u = self.unit.get(name)
+            if u is None:
+                raise KilnError(f"block {self.plan.module!r}: {name!r} is marked recomputed but no recompute "
+                                "op produces it", code="E021")
+            self.emit(u)
+        return self.keys[name]
+
+    def source(self, name: str, local: dict[str, str]) -> str:
+        """The key a replayed op reads: made earlier in its recompute op, recomputed, or the forward's."""
+        if not name:
+            return ""
+        if name in local:
+            return local[name]
+        return self.key(name) if name in self.recomputed else self.lenv[name]
+
+    def all(self) -> None:
+        for u in range(len(self.plan.ops)):
+            if not any(o in self.keys for op in self.plan.ops[u].replay for o in op.outputs if o):
+                self.emit(u)
+
+    def emit(self, u: int) -> None:
+        rop = self.plan.ops[u]
+        if u in self.busy:
+            raise KilnError(f"block {self.plan.module!r}: recompute op {rop.name!r} depends on itself",
+                            code="E022")
+        self.busy.add(u)
+        pre = f"{self.call.prefix}.{self.layer}."
+        local: dict[str, str] = {}
+        for op in rop.replay:
+            ins = [self.source(n, local) for n in op.inputs]
+            outs = self.s.own([f"{o}:recompute" if o else "" for o in op.outputs], {}, pre)
+            self.s.add("backward", op, ins, outs, self.call.binds, self.layer, recompute=True)
+            local.update({o: k for o, k in zip(op.outputs, outs, strict=True) if o})
+        self.keys.update(local)
+        for name in self.plan.shared:
+            if name in local:
+                self.s.shared.setdefault((self.plan.module, self.call.prefix, name), []).append(local[name])
+        self.busy.discard(u)
 
 
 def _logits_graph(graph: Graph) -> Graph:
@@ -605,13 +808,15 @@ def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bo
 
 
 def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
-    nbytes = {k: math.prod(shape) * np.dtype(s.np_dtype(dt)).itemsize for k, (shape, dt) in s.types.items()}
+    itemsize = {dt: np.dtype(s.np_dtype(dt)).itemsize for dt in {dt for _, dt in s.types.values()}}
+    nbytes = {k: math.prod(shape) * itemsize[dt] for k, (shape, dt) in s.types.items()}
     steps = s.steps
     last: dict[str, int] = {}
     for st in steps:
         for k in st.inputs:
             if k:
                 last[k] = st.index
+    shared = {k for keys in s.shared.values() for k in keys}
     root = {k: k for k in s.kinds}  # tensor -> the tensor whose slot it uses
     members = {k: [k] for k in s.kinds}
     birth: dict[str, int] = {}
@@ -638,7 +843,7 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
                             and nbytes[cand] == nbytes[out]):
                         r = cand
                         break
-            if r is None:
+            if r is None or out in shared:
                 root[out] = out
                 members[out] = [out]
                 # a reference kernel returns fresh arrays before any output is written, so its outputs
@@ -648,6 +853,18 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
                 root[out] = r
                 members[r].append(out)
                 taken.add(r)
+
+    # a recomputed slot whose share policy allows it: one buffer for the copies of every layer
+    for keys in s.shared.values():
+        head = root[keys[0]]
+        for k in keys[1:]:
+            r = root[k]
+            if r == head:
+                continue
+            for m in members.pop(r):
+                root[m] = head
+                members[head].append(m)
+            birth[head] = min(birth[head], birth.pop(r))
 
     # fixed region: weights, gradients and optimizer state (the same for every Program of a model),
     # then the inputs and the output
