@@ -1,7 +1,17 @@
-"""kiln-peft: LoRA (and later other adapters) as a graph pass, PEFT-format save and load, merge."""
+"""kiln-peft: LoRA as a graph pass, HF PEFT's API and adapter files, merge.
+
+``get_peft_model(model, LoraConfig(...))`` adds LoRA adapters to a kiln Model's projections (named as
+in HF: ``q_proj`` ... ``down_proj``, or ``"all-linear"``) by rewriting its IR with the ``lora`` graph
+pass; ``PeftModel.from_pretrained`` / ``save_pretrained`` read and write PEFT's adapter folders.
+"""
 
 from importlib.metadata import version
 
+from kiln.peft._config import LoraConfig
+from kiln.peft._errors import AdapterError
+from kiln.peft._lora import lora
+from kiln.peft._model import PeftModel, get_peft_model
+
 __version__ = version("kiln-peft")
 
-__all__ = ["__version__"]
+__all__ = ["AdapterError", "LoraConfig", "PeftModel", "__version__", "get_peft_model", "lora"]
