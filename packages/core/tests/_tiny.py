@@ -116,3 +116,17 @@ def random_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0,
     if ignore_last:
         labels[:, -1] = -100
     return {"input_ids": ids[:, :-1].copy(), "labels": labels}
+
+
+def with_dropout(bundle: Bundle, p: float = 0.25) -> Bundle:
+    """Dropout on the attention output, before the residual add (counter-based: seed and offset attrs)."""
+    block = bundle.module("Qwen3Block")
+    assert block.forward is not None
+    ops = []
+    for op in block.forward.ops:
+        if op.type == "fused_residual_rmsnorm" and op.inputs[1] == "attn.proj":
+            ops.append(Op("dropout", ["attn.proj"], ["attn.proj_drop"], {"p": p, "seed": 1234, "offset": 7}))
+            op = op.evolve(inputs=(op.inputs[0], "attn.proj_drop", op.inputs[2]))
+        ops.append(op)
+    block = block.evolve(forward=block.forward.evolve(ops=ops))
+    return bundle.evolve(modules=[block if m.name == block.name else m for m in bundle.modules])

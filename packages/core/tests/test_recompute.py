@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kiln_core_tiny import random_batch, tiny_qwen3_bundle
+from kiln_core_tiny import random_batch, tiny_qwen3_bundle, with_dropout
 
 from kiln.core import KilnError, Model, PluginError, compile, hookimpl, register_plugin, reset_plugins
 from kiln.core._cli import main
@@ -92,20 +92,6 @@ def tiny_layout(dropout: bool = False) -> ActivationLayout:
         slots.append(slot("attn.proj_drop", recompute=True, recompute_from=["attn.proj"],
                           recompute_op="dropout"))
     return ActivationLayout(slots)
-
-
-def with_dropout(bundle: Bundle, p: float = 0.25) -> Bundle:
-    """Dropout on the attention output, before the residual add (counter-based: seed and offset attrs)."""
-    block = bundle.module("Qwen3Block")
-    assert block.forward is not None
-    ops = []
-    for op in block.forward.ops:
-        if op.type == "fused_residual_rmsnorm" and op.inputs[1] == "attn.proj":
-            ops.append(Op("dropout", ["attn.proj"], ["attn.proj_drop"], {"p": p, "seed": 1234, "offset": 7}))
-            op = op.evolve(inputs=(op.inputs[0], "attn.proj_drop", op.inputs[2]))
-        ops.append(op)
-    block = block.evolve(forward=block.forward.evolve(ops=ops))
-    return bundle.evolve(modules=[block if m.name == block.name else m for m in bundle.modules])
 
 
 def with_layout(bundle: Bundle, layout: ActivationLayout) -> Bundle:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core._errors import KilnError
-from kiln.core._ops import OpRegistry
+from kiln.core._ops import OpDef, OpRegistry
 from kiln.core._optim import AdamW, adamw_update, global_norm
 from kiln.core._program import Program, Step
 
@@ -90,6 +90,8 @@ class Executable:
         if step.how == "optimizer":
             return self._optimizer_closure(step, ins)
         opdef = self.registry.get_op(step.op.type)
+        if opdef.random and "offset" in kw:
+            return self._random_closure(step, opdef, ins, outs, kw)
         if step.how == "out":
             out_kernel = opdef.out_kernel
             assert out_kernel is not None
@@ -115,6 +117,27 @@ class Executable:
 
         return run_kernel
 
+    def _random_closure(self, step: Step, opdef: OpDef, ins: Arrays, outs: Arrays,
+                        kw: dict[str, Any]) -> Callable[[], None]:
+        """A random op (dropout) with its counter offset moved by layer and training step.
+
+        One block body serves every layer and every step, so its ``seed``/``offset`` attrs alone would
+        draw the same mask everywhere. Each (layer, step) gets a disjoint counter range
+        (:func:`counter_offset`: 2**32 counters per layer, 2**12 layers per step); the forward, backward
+        and recompute replays of one op in one layer and step read the same counters, so their masks
+        agree bit for bit.
+        """
+        base, layer, hyper = int(kw["offset"]), step.layer or 0, self.hyper
+
+        def run() -> None:
+            offset = counter_offset(base, layer, int(hyper["step"]))
+            res = opdef.kernel(*ins, **{**kw, "offset": offset})
+            for o, r in zip(outs, res if isinstance(res, (tuple, list)) else (res,), strict=True):
+                if o is not None:
+                    np.copyto(o, r)
+
+        return run
+
     def _optimizer_closure(self, step: Step, ins: Arrays) -> Callable[[], None]:
         hyper = self.hyper
         arrays = [a for a in ins if a is not None]
@@ -130,3 +153,8 @@ class Executable:
             return lambda: adamw_update(p, g, m, v, work, opt=self.opt, step=hyper["step"], lr=hyper["lr"],
                                         scale=hyper["scale"])
         raise KilnError(f"the numpy backend has no optimizer step {step.op.type!r}")
+
+
+def counter_offset(base: int, layer: int, step: int) -> int:
+    """The counter offset of a random op's ``base`` offset in ``layer`` at training ``step``."""
+    return base + (layer << 32) + (step << 44)

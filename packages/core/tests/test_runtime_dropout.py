@@ -1,0 +1,51 @@
+"""Random ops in a repeated block: a fresh mask per layer and per training step, the same mask in the
+forward, the backward and any recompute replay."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from kiln_core_tiny import random_batch, tiny_qwen3_bundle, with_dropout
+
+from kiln.core import Model
+from kiln.core._gradcheck import central_differences, max_rel_error
+from kiln.core._numpy_backend import counter_offset
+
+
+def test_layers_and_steps_get_disjoint_counter_ranges() -> None:
+    starts = {counter_offset(7, layer, step) for layer in range(4) for step in range(1, 4)}
+    assert len(starts) == 12
+    ordered = sorted(starts)
+    assert min(b - a for a, b in itertools.pairwise(ordered)) >= 2**32  # disjoint up to 4 G elements
+
+
+def test_the_mask_changes_with_the_training_step() -> None:
+    model = Model.from_ir(with_dropout(tiny_qwen3_bundle(num_layers=2), p=0.5), seed=0, dtype="float64")
+    batch = random_batch(32, 2, 4)
+    model.loss(batch["input_ids"], batch["labels"])
+    _, ex = model._bind("train", 2, 4)
+    losses = []
+    for step in (1, 1, 2):
+        ex.run(("forward",), step=step)
+        losses.append(float(np.sum(ex.views["loss"])))
+    assert losses[0] == losses[1] and losses[0] != losses[2]
+
+
+def test_dropout_gradients_match_finite_differences_in_every_layer() -> None:
+    model = Model.from_ir(with_dropout(tiny_qwen3_bundle(num_layers=2), p=0.5), seed=0, dtype="float64")
+    batch = random_batch(32, 2, 4)
+    _, grads = model.loss_and_grads(batch["input_ids"], batch["labels"])
+    params = model.parameters()
+    names = [k for k in params if k.startswith("blocks.") and k.endswith("out_weight")]
+    assert len(names) == 2
+    for name in names:
+
+        def loss(x: np.ndarray, name: str = name) -> float:
+            model.set_parameters({name: x})
+            return model.loss(batch["input_ids"], batch["labels"])
+
+        x = params[name].copy()
+        fd = central_differences(loss, x)
+        model.set_parameters({name: x})
+        assert max_rel_error(grads[name], fd) <= 1e-6, name
