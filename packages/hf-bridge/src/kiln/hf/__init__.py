@@ -1,5 +1,5 @@
 """kiln-hf: the HuggingFace bridge: checkpoints in and out (``from_pretrained``), safetensors, RoPE,
-tokenizers and data."""
+tokenizers and data, and training runs (``kiln train``, ``kiln demo``)."""
 
 from importlib.metadata import version
 
@@ -9,6 +9,7 @@ from kiln.hf._pretrained import PretrainedModel, from_pretrained, shift_labels
 from kiln.hf._rope import ROPE_TYPES, rope_inv_freq, rope_parameters, rope_table
 from kiln.hf._safetensors import Checkpoint, TensorInfo, open_checkpoint, parse_size, save_checkpoint
 from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from kiln.hf._train import TrainConfig, TrainConfigError, TrainingError, load_train_config, train
 
 __version__ = version("kiln-hf")
 
@@ -23,9 +24,13 @@ __all__ = [
     "PackedDataset",
     "PretrainedModel",
     "TensorInfo",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainingError",
     "__version__",
     "from_pretrained",
     "load_tokenizer",
+    "load_train_config",
     "open_checkpoint",
     "parse_size",
     "rope_inv_freq",
@@ -34,5 +39,6 @@ __all__ = [
     "save_checkpoint",
     "save_tokenizer",
     "shift_labels",
+    "train",
     "train_bpe_tokenizer",
 ]

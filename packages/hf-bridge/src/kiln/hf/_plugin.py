@@ -1,5 +1,40 @@
 """The ``kiln`` entry point of kiln-hf: its hook implementations, found by kiln's plugin manager."""
 
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
 import pluggy
 
 hookimpl = pluggy.HookimplMarker("kiln")
+
+
+def _configure_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the run's TOML config (see docs/training.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in the output folder (start if there is none)")
+    p.add_argument("--debug-nans", action="store_true",
+                   help="on a non-finite loss, name the first op that produced a non-finite value")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from kiln.hf._train import run
+
+    return run(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from kiln.hf._demo import run
+
+    return run(args)
+
+
+@hookimpl
+def kiln_cli_commands(register: Callable[..., Any]) -> None:
+    register("train", help="train a model as a TOML config says: from scratch or from a HF checkpoint, "
+             "every weight or LoRA adapters",
+             run=_run_train, configure=_configure_train)
+    register("demo", help="train a tiny Qwen3 and a LoRA adapter on Python's own help texts, in ./kiln-demo "
+             "(no downloads, a few minutes on a CPU)", run=_run_demo)

@@ -1,0 +1,912 @@
+"""``kiln train``: a TOML config checked as a whole before any work, the training loop and its outputs.
+
+A run writes into ``train.output_dir``: ``tokenizer/``, ``metrics.jsonl`` (one JSON object per step),
+``checkpoints/step-<n>/`` (see ``_checkpoint``), ``loss.png`` and, at the end, ``model/`` (a HF
+checkpoint folder with the tokenizer) or, in LoRA mode, ``adapter/`` (a PEFT adapter folder).
+docs/training.md describes every key; a test keeps it in step with ``SCHEMA``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import numpy as np
+
+from kiln.core import KilnError
+from kiln.hf import _checkpoint
+from kiln.hf._progress import Progress, duration
+
+#: DSL constructor arguments per size; the DSL ignores those a model does not take
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"d_model": 64, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_size": 16,
+             "d_ff": 192, "moe_d_ff": 96},
+    "small": {"d_model": 128, "n_layers": 4, "num_query_heads": 4, "num_kv_heads": 2, "head_size": 32,
+              "d_ff": 384, "moe_d_ff": 192},
+    "base": {"d_model": 256, "n_layers": 6, "num_query_heads": 8, "num_kv_heads": 4, "head_size": 32,
+             "d_ff": 768, "moe_d_ff": 384},
+}
+_COMMON = {"tie_word_embeddings": True, "rope_theta": 10000.0, "num_experts": 4, "num_experts_per_tok": 2}
+#: keys a resumed run may change; any other change is refused
+_RESUMABLE = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+              "train.keep_checkpoints", "train.log_every")
+_MEMORY = ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations", "transient",
+           "peak")
+
+
+class TrainConfigError(KilnError):
+    """A ``kiln train`` config value that is unknown, of the wrong type, out of range or a missing file.
+
+    ``key`` is the dotted key at fault (``"train.steps"``), a section, or ``None`` for the whole file.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, file: str | Path | None = None,
+                 **kw: Any) -> None:
+        self.key, self.file = key, None if file is None else str(file)
+        where = ": ".join(p for p in (self.file, key) if p)
+        super().__init__(f"{where}: {message}" if where else message, **kw)
+
+
+class TrainingError(KilnError):
+    """A run that cannot go on: a non-finite loss or gradient (naming the step), or too little data."""
+
+
+# -- the schema
+
+REQUIRED: Any = object()
+Check = tuple[Callable[[Any], bool], str]
+
+
+@attrs.frozen
+class Key:
+    """One config key: its kind, its default, and its valid values (a list, or a check and its text)."""
+
+    kind: str  # int | float | str | bool | path | paths | table | budget | targets
+    default: Any = None
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
+    check: Check | None = None
+
+    def valid(self) -> Sequence[str] | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def _at_least(n: float) -> Check:
+    return (lambda v: v >= n), f">= {n}"
+
+
+def _above(n: float) -> Check:
+    return (lambda v: v > n), f"> {n}"
+
+
+def _within(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = True) -> Check:
+    text = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    return (lambda v: (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)), text
+
+
+def _models() -> list[str]:
+    """The DSL models that declare a HF architecture (so that a run can export them)."""
+    from kiln.dsl import get_model_spec, list_registered_models
+
+    return [n for n in list_registered_models() if get_model_spec(n).hf_config is not None]
+
+
+def _backends() -> list[str]:
+    from kiln.core import get_registry
+
+    return get_registry("backends").names()
+
+
+def _recompute_modes() -> Sequence[str]:
+    from kiln.core.recompute import MODES
+
+    return MODES
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "model": {
+        "name": Key("str", choices=_models),
+        "size": Key("str", "tiny", tuple(PRESETS)),
+        "config": Key("table", {}),
+        "checkpoint": Key("path"),
+        "seed": Key("int", 0, check=_at_least(0)),
+    },
+    "data": {
+        "files": Key("paths", REQUIRED),
+        "tokenizer": Key("path"),
+        "vocab_size": Key("int", 1024, check=_at_least(257)),
+        "separator": Key("str", ""),
+        "validation_fraction": Key("float", 0.1, check=_within(0.0, 1.0, lo_open=True)),
+        "seed": Key("int", 0, check=_at_least(0)),
+    },
+    "train": {
+        "output_dir": Key("path"),
+        "mode": Key("str", "full", ("full", "lora")),
+        "backend": Key("str", "numpy", _backends),
+        "steps": Key("int", 100, check=_at_least(1)),
+        "batch_size": Key("int", 8, check=_at_least(1)),
+        "seq_len": Key("int", 64, check=_at_least(1)),
+        "recompute": Key("str", "dsl", _recompute_modes),
+        "memory_budget": Key("budget"),
+        "eval_every": Key("int", 50, check=_at_least(0)),
+        "eval_batches": Key("int", 8, check=_at_least(1)),
+        "checkpoint_every": Key("int", 50, check=_at_least(0)),
+        "keep_checkpoints": Key("int", 2, check=_at_least(1)),
+        "log_every": Key("int", 10, check=_at_least(1)),
+    },
+    "optimizer": {
+        "lr": Key("float", 1e-3, check=_above(0)),
+        "beta1": Key("float", 0.9, check=_within(0.0, 1.0)),
+        "beta2": Key("float", 0.999, check=_within(0.0, 1.0)),
+        "eps": Key("float", 1e-8, check=_above(0)),
+        "weight_decay": Key("float", 0.0, check=_at_least(0)),
+        "max_grad_norm": Key("float", 1.0, check=_at_least(0)),
+        "warmup_steps": Key("int", 0, check=_at_least(0)),
+        "schedule": Key("str", "cosine", ("cosine", "constant")),
+        "min_lr_ratio": Key("float", 0.1, check=_within(0.0, 1.0, hi_open=False)),
+    },
+    "lora": {
+        "r": Key("int", 8, check=_at_least(1)),
+        "lora_alpha": Key("float", 16.0, check=_above(0)),
+        "lora_dropout": Key("float", 0.0, check=_within(0.0, 1.0)),
+        "target_modules": Key("targets", "all-linear"),
+        "use_rslora": Key("bool", False),
+    },
+}
+_KINDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "true or false", "path": "a path",
+          "paths": "a path or a list of paths", "table": "a table",
+          "targets": "a string or a list of strings",
+          "budget": "bytes (an int or a string such as \"64MiB\") or a fraction (0.5 or \"50%\")"}
+
+
+# -- reading and checking a config
+
+
+@attrs.frozen
+class TrainConfig:
+    """A checked config: every key of every section (defaults filled in, paths absolute)."""
+
+    sections: Mapping[str, Mapping[str, Any]]
+    file: Path | None = None
+    given: Mapping[str, frozenset[str]] = attrs.field(factory=dict)  # the sections and keys the file sets
+
+    def __getitem__(self, section: str) -> Mapping[str, Any]:
+        return self.sections[section]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The values that define a run (all but those a resumed run may change), as JSON values."""
+        return {f"{s}.{k}": _jsonable(v) for s, keys in self.sections.items() for k, v in keys.items()
+                if f"{s}.{k}" not in _RESUMABLE}
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def parse_budget(value: Any) -> int | float:
+    """``123456`` or ``"64MiB"`` (bytes), ``0.5`` or ``"50%"`` (a fraction of the peak without recompute)."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    if isinstance(value, str):
+        text = value.strip()
+        unit = next((u for u in units if text.endswith(u)), None)
+        try:
+            if text.endswith("%"):
+                value = float(text[:-1]) / 100
+            elif unit is not None:
+                value = int(float(text[:-len(unit)]) * units[unit])
+            else:
+                value = int(text) if text.isdigit() else float(text)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a budget") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a budget")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"{value} bytes is not a budget")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"the fraction {value} is not in (0, 1]")
+    return value
+
+
+def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> Any:
+    """``value`` checked against ``spec`` (paths made absolute and checked to exist)."""
+    valid = spec.valid()
+
+    def bad(message: str) -> TrainConfigError:
+        return TrainConfigError(message, key=key, file=file,
+                                hint=f"valid values: {', '.join(map(str, valid))}" if valid else None)
+
+    kind = spec.kind
+    wrong = bad(f"expected {_KINDS[kind]}, found {type(value).__name__} {value!r}")
+    if isinstance(value, bool) != (kind == "bool") and kind != "budget":
+        raise wrong
+    if kind == "int" and not isinstance(value, int):
+        raise wrong
+    if kind == "float":
+        if not isinstance(value, (int, float)):
+            raise wrong
+        value = float(value)
+        if not math.isfinite(value):
+            raise bad(f"must be finite, found {value}")
+    if kind in ("str", "path") and not isinstance(value, str):
+        raise wrong
+    if kind == "table" and not isinstance(value, dict):
+        raise wrong
+    if kind in ("paths", "targets"):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise wrong
+        if not items:
+            raise bad("must not be empty")
+        if kind == "targets":
+            return value if isinstance(value, str) else items
+        paths = [(base / v).expanduser() for v in items]
+        for p in paths:
+            if not p.is_file():
+                raise bad(f"file {str(p)!r} does not exist")
+        return paths
+    if kind == "path":
+        return (base / value).expanduser()
+    if kind == "budget":
+        try:
+            return parse_budget(value)
+        except ValueError as e:
+            raise bad(f"{e}; expected {_KINDS[kind]}") from None
+    if valid is not None and value not in valid:
+        close = difflib.get_close_matches(str(value), list(map(str, valid)), n=1)
+        raise bad(f"{value!r} is not one of {', '.join(map(repr, valid))}"
+                  + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if spec.check is not None and not spec.check[0](value):
+        raise bad(f"must be {spec.check[1]}, found {value!r}")
+    return value
+
+
+def _unknown(key: str, known: Sequence[str], what: str, file: Path | None) -> TrainConfigError:
+    close = difflib.get_close_matches(key.rpartition(".")[2], known, n=1)
+    return TrainConfigError(f"unknown {what}" + (f" (did you mean {close[0]!r}?)" if close else ""), key=key,
+                            file=file, hint=f"valid {what}s: {', '.join(known)}")
+
+
+def load_train_config(source: str | Path | Mapping[str, Any], *,
+                      base: str | Path | None = None) -> TrainConfig:
+    """Read and check a ``kiln train`` config: a TOML file, or its content as a dict.
+
+    Relative paths are relative to the config file's folder (for a dict: ``base``, by default the
+    working directory). Raises :class:`TrainConfigError` naming the key at fault and, where they form a
+    list, the valid values; the whole config is checked before anything is tokenized, trained or written.
+    """
+    file = None
+    if isinstance(source, Mapping):
+        data, root = dict(source), Path(base or ".").resolve()
+    else:
+        file = Path(source)
+        try:
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise TrainConfigError("the config file does not exist", file=file) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainConfigError(f"cannot read the config: {e}", file=file) from None
+        except tomllib.TOMLDecodeError as e:
+            raise TrainConfigError(f"not valid TOML: {e}", file=file) from None
+        root = Path(base) if base is not None else file.resolve().parent
+    for name, table in data.items():
+        if name not in SCHEMA:
+            raise _unknown(name, list(SCHEMA), "section", file)
+        if not isinstance(table, dict):
+            raise TrainConfigError(f"must be a table ([{name}]), found {type(table).__name__}", key=name,
+                                   file=file)
+    sections: dict[str, dict[str, Any]] = {}
+    for name, keys in SCHEMA.items():
+        table = data.get(name, {})
+        for key in table:
+            if key not in keys:
+                raise _unknown(f"{name}.{key}", list(keys), "key", file)
+        out = sections[name] = {}
+        for key, spec in keys.items():
+            if key in table:
+                out[key] = _value(f"{name}.{key}", spec, table[key], root, file)
+            elif spec.default is REQUIRED:
+                raise TrainConfigError("is missing: it has no default", key=f"{name}.{key}", file=file)
+            else:
+                out[key] = spec.default
+    if sections["train"]["output_dir"] is None:
+        sections["train"]["output_dir"] = root / "runs" / (file.stem if file else "run")
+    config = TrainConfig(sections, file, {name: frozenset(table) for name, table in data.items()})
+    _check_together(config)
+    return config
+
+
+def _check_together(config: TrainConfig) -> None:
+    """Checks across keys, and those that need the model library, the files or kiln-peft."""
+    file, model, data, mode = config.file, config["model"], config["data"], config["train"]["mode"]
+    ckpt, tokenizer = model["checkpoint"], data["tokenizer"]
+    if (model["name"] is None) == (ckpt is None):
+        raise TrainConfigError("give either model.name (a model trained from scratch) or model.checkpoint "
+                               "(a HF checkpoint folder)" + (", not both" if ckpt else ""),
+                               key="model.checkpoint" if ckpt else "model.name", file=file,
+                               hint=f"models: {', '.join(_models())}")
+    if ckpt is not None:
+        if not (ckpt / "config.json").is_file():
+            raise TrainConfigError(f"{str(ckpt)!r} is not a HF checkpoint folder (it has no config.json)",
+                                   key="model.checkpoint", file=file)
+        from kiln.hf._pretrained import compile_config, read_config
+
+        try:  # the architecture and config.json are checked now; the weights when they are read
+            compile_config(*read_config(ckpt))
+        except KilnError as e:
+            raise TrainConfigError(str(e), key="model.checkpoint", file=file) from None
+        for key in ("size", "config"):
+            if key in config.given.get("model", ()):
+                raise TrainConfigError("applies to model.name only; a checkpoint's config.json sets the "
+                                       "model", key=f"model.{key}", file=file)
+        if tokenizer is None and not (ckpt / "tokenizer.json").is_file():
+            raise TrainConfigError(f"is needed: the checkpoint {str(ckpt)!r} has no tokenizer.json, and a "
+                                   "new tokenizer would not match its vocabulary", key="data.tokenizer",
+                                   file=file)
+    if tokenizer is not None and not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
+        raise TrainConfigError(f"{str(tokenizer)!r} is neither a tokenizer.json nor a folder holding one",
+                               key="data.tokenizer", file=file)
+    if mode == "lora":
+        try:
+            import kiln.peft  # noqa: F401
+        except ImportError:
+            raise TrainConfigError("LoRA training needs kiln-peft, which is not installed", key="train.mode",
+                                   file=file, hint="pip install kiln-peft") from None
+        _lora_config(config)
+    elif "lora" in config.given:
+        raise TrainConfigError("the [lora] section applies only with train.mode = \"lora\"", key="lora",
+                               file=file)
+    if model["name"] is not None:
+        bundle = _scratch_bundle(config, None)  # the DSL checks the model's config now
+        try:  # and the run can export it: a dry run of the export over empty views
+            from kiln.hf._pretrained import weight_entries
+
+            _scratch_tensors(bundle, {e.param: np.broadcast_to(np.float32(0), e.shape)
+                                      for e in weight_entries(bundle)})
+        except KilnError as e:
+            raise TrainConfigError(f"{model['name']} trained from scratch cannot be saved as a HF checkpoint "
+                                   f"yet: {e.message}", key="model.name", file=file) from None
+
+
+def _lora_config(config: TrainConfig) -> Any:
+    from kiln.peft import LoraConfig
+
+    lora = config["lora"]
+    try:
+        return LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
+                          target_modules=lora["target_modules"], use_rslora=lora["use_rslora"])
+    except KilnError as e:
+        key = getattr(e, "key", None)
+        raise TrainConfigError(e.message, key=f"lora.{key}" if key else "lora", file=config.file,
+                               hint=e.hint) from None
+
+
+# -- models trained from scratch
+
+
+def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
+    """The IR of ``model.name``: its size preset, then ``model.config``; the vocabulary the tokenizer's."""
+    from kiln.dsl import build_bundle
+
+    model, seq, file = config["model"], config["train"]["seq_len"], config.file
+    given = dict(model["config"])
+    vocab = vocab_size or config["data"]["vocab_size"]
+    if vocab_size is not None and given.get("vocab_size", vocab) < vocab:
+        raise TrainConfigError(f"{given['vocab_size']} is below the tokenizer's {vocab} tokens",
+                               key="model.config.vocab_size", file=file)
+    if given.get("max_seq", seq) < seq:
+        raise TrainConfigError(f"{given['max_seq']} is below train.seq_len = {seq}",
+                               key="model.config.max_seq", file=file)
+    try:
+        return build_bundle(model["name"], {**_COMMON, **PRESETS[model["size"]], "vocab_size": vocab,
+                                            "max_seq": seq, **given})
+    except KilnError as e:
+        raise TrainConfigError(f"model {model['name']!r} ({model['size']}) does not compile with this "
+                               f"config: {e.message}", key="model.config", file=file,
+                               hint="; ".join(str(d) for d in e.diagnostics) or e.hint) from None
+
+
+def hf_config_of(bundle: Any) -> dict[str, Any]:
+    """The HF ``config.json`` of a DSL model's IR: its ``@hf_config`` mapping applied in reverse."""
+    model = bundle.module(bundle.entry)
+    decl, cfg = model.hf_config, model.config
+    out: dict[str, Any] = {"architectures": [decl["architecture"]], "model_type": decl["model_type"],
+                           "hidden_act": "silu", "torch_dtype": "float32"}
+    for arg, key in {"tie_word_embeddings": "tie_word_embeddings", **decl["param_mapping"]}.items():
+        if cfg.get(arg) is not None:
+            *parents, leaf = str(key).split(".")
+            node = out
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = json.loads(json.dumps(_jsonable(cfg[arg])))
+    return out
+
+
+def _scratch_tensors(bundle: Any, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The HF tensors of a model built from the DSL: its weight mappings inverted. A fused tensor is
+    cut along the parameter's LoRA-target slices, which the DSL declares for its sources, in order."""
+    from kiln.core.ir import parse_dim
+    from kiln.hf._pretrained import weight_entries
+
+    specs = {p.name: p for m in bundle.modules for p in m.params}
+    out: dict[str, np.ndarray] = {}
+
+    def emit(spec: Any, arr: np.ndarray, entry: Any) -> None:
+        if isinstance(spec, str):
+            out[spec.removeprefix("?")] = arr  # a view: the writer copies it out
+            return
+        kind, dim = spec.get("type"), spec.get("dim", 0)
+        if kind == "transform":
+            emit(spec["source"], arr.swapaxes(-1, -2), entry)
+        elif kind == "fuse":
+            targets = specs[entry.param.rpartition(".")[2]].lora_targets
+            if len(targets) != len(spec["sources"]) or any(t.dim != dim or t.size is None for t in targets):
+                raise KilnError(f"kiln parameter {entry.param!r}: the sizes of the fused tensors "
+                                f"{list(spec['sources'])} are not declared, so it cannot be exported")
+            sizes = [parse_dim(t.size).evaluate(entry.ints) for t in targets]
+            parts = np.split(arr, np.cumsum(sizes)[:-1], axis=dim)
+            for source, part in zip(spec["sources"], parts, strict=True):
+                emit(source, part, entry)
+        elif kind != "tied_to":  # a tied parameter is written through its target
+            raise KilnError(f"kiln parameter {entry.param!r}: exporting a {kind!r} weight mapping of a model "
+                            "trained from scratch is not supported")
+
+    for entry in weight_entries(bundle):
+        emit(entry.mapping, params[entry.param], entry)
+    return out
+
+
+def _save_model(model: Any, folder: Path, bundle: Any) -> None:
+    """The trained model as a HF checkpoint folder (``config.json`` and ``model.safetensors``)."""
+    if hasattr(model, "save_pretrained"):  # loaded by from_pretrained: its own mappings write it
+        model.save_pretrained(folder, dtype="float32")
+        return
+    from kiln.hf import save_checkpoint
+
+    save_checkpoint(folder, _scratch_tensors(bundle, model.parameters()))
+    (folder / "config.json").write_text(json.dumps(hf_config_of(bundle), indent=2) + "\n", encoding="utf-8")
+
+
+# -- reports
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def plan_summary(model: Any, batch: int, seq: int) -> str:
+    """The recompute plan and the planned memory of ``model``'s training Program for one shape."""
+    prog = model.program(batch, seq)
+    plan, report = prog.recompute, prog.memory_report()
+    lines = [f"recompute {plan.mode!r} ({plan.training} training), planned by {plan.planner} in "
+             f"{plan.seconds * 1e3:.0f} ms for batches of {batch} x {seq} tokens:", plan.table(),
+             "planned memory:"]
+    for k in _MEMORY:
+        extra = ""
+        if k == "saved_activations" and plan.reference_bytes:
+            extra = (f"  ({100 * report[k] / plan.reference_bytes:.0f}% of the "
+                     f"{_bytes(plan.reference_bytes)} saved without recompute)")
+        lines.append(f"  {k:<18} {_bytes(report[k]):>11}{extra}")
+    return "\n".join(lines)
+
+
+def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray]) -> str:
+    """Replay one training step op by op, from ``parameters``, in the order of its Program, with the
+    ops' reference kernels and a fresh array per tensor; name the first op whose output is not finite."""
+    from kiln.core import op_registry
+
+    ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+    prog, registry = model.program(*ids.shape), op_registry()
+    tensors, env = prog.tensors, dict(parameters)
+    mask = (labels != -100).astype(np.float64)
+    feeds = {"token_ids": ids, "targets": labels, "position_ids": np.arange(ids.shape[1]),
+             "d_loss": mask / max(mask.sum(), 1)}
+    for name, value in feeds.items():
+        if name in tensors:
+            env[name] = np.asarray(value).astype(tensors[name].dtype).reshape(tensors[name].shape)
+    for step in prog.steps:
+        if step.phase == "optimizer":
+            break
+        try:
+            ins = [env[k] if k else None for k in step.inputs]
+        except KeyError as e:
+            return f"the replay stopped at program step {step.index} ({step.op.type}): no value for {e}"
+        if step.how in ("alias", "copy"):
+            outs: Sequence[Any] = [np.reshape(ins[0], tensors[step.outputs[0]].shape)]
+        else:
+            res = registry.get_op(step.op.type).kernel(*ins, **dict(step.attrs))
+            outs = res if isinstance(res, (tuple, list)) else (res,)
+        for key, value in zip(step.outputs, outs, strict=False):
+            if not key:
+                continue
+            env[key] = arr = np.asarray(value)
+            if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+                layer = "" if step.layer is None else f", layer {step.layer}"
+                bad = arr.size - int(np.isfinite(arr).sum())
+                return (f"the first non-finite value comes from op {step.op.type!r} (program step "
+                        f"{step.index}, {step.phase}{layer}): {bad} of the {arr.size} values of {key!r} are "
+                        "NaN or infinite, while every input of the op is finite")
+    return "replaying the step op by op found no non-finite value in its forward and backward"
+
+
+# -- the run
+
+
+class _Metrics:
+    """``metrics.jsonl``; resuming first cuts it back to the checkpoint's step."""
+
+    def __init__(self, path: Path, keep_until: int) -> None:
+        kept = []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                with contextlib.suppress(ValueError):  # a line a crash cut short
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("step", math.inf) <= keep_until:
+                        kept.append(record)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self.records = kept
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _replace_dir(final: Path, fill: Callable[[Path], Any]) -> Path:
+    """Fill a temporary folder, then put it in the place of ``final`` (removing an old one)."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
+def _eos_token(folder: Path | None) -> str:
+    """The EOS token a ``tokenizer_config.json`` in ``folder`` names, else kiln's."""
+    from kiln.hf import EOS_TOKEN
+
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        eos = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("eos_token")  # type: ignore[operator]
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            return eos
+    return EOS_TOKEN
+
+
+class _Run:
+    def __init__(self, config: TrainConfig, *, resume: bool, debug_nans: bool, stream: TextIO) -> None:
+        self.c, self.resume, self.debug_nans, self.stream = config, resume, debug_nans, stream
+        train = config["train"]
+        self.dir = Path(train["output_dir"])
+        self.ckpts = self.dir / "checkpoints"
+        self.steps, self.mode = train["steps"], train["mode"]
+        self.progress: Progress | None = None
+        self.bundle: Any = None
+        self.stop = False
+        self.elapsed = 0.0  # seconds spent by the processes before this one
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def clock(self) -> float:
+        return self.elapsed + time.perf_counter() - self.t0
+
+    # -- setup
+
+    def tokenizer(self) -> tuple[Any, str]:
+        from kiln.hf import load_tokenizer, save_tokenizer, train_bpe_tokenizer
+
+        data, ckpt = self.c["data"], self.c["model"]["checkpoint"]
+        saved = self.dir / "tokenizer"
+        if self.resume and (saved / "tokenizer.json").is_file():
+            return load_tokenizer(saved), _eos_token(saved)
+        source = data["tokenizer"] or ckpt
+        if source is not None:
+            tok, eos = load_tokenizer(source), _eos_token(source if source.is_dir() else source.parent)
+        else:
+            start = time.perf_counter()
+            tok, eos = train_bpe_tokenizer(data["files"], data["vocab_size"]), _eos_token(None)
+            self.say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on "
+                     f"{len(data['files'])} file(s) in {time.perf_counter() - start:.1f}s")
+        _replace_dir(saved, lambda d: save_tokenizer(tok, d, eos_token=eos))
+        return tok, eos
+
+    def data(self, tokenizer: Any, eos: str) -> None:
+        from kiln.hf import PackedDataset
+
+        data, t = self.c["data"], self.c["train"]
+        self.ds = PackedDataset(data["files"], tokenizer, seq_len=t["seq_len"], batch_size=t["batch_size"],
+                                eos_token=eos, separator=data["separator"] or None, seed=data["seed"],
+                                validation_fraction=data["validation_fraction"], drop_last=True,
+                                cache_dir=self.dir / "cache")
+        if len(self.ds) == 0:
+            raise TrainingError(f"the data holds {self.ds.num_sequences} training sequences of "
+                                f"{t['seq_len']} tokens, fewer than train.batch_size = {t['batch_size']}",
+                                hint="add text to data.files, or lower train.batch_size or train.seq_len")
+        self.say(f"data: {len(self.ds.tokens):,} tokens in {len(data['files'])} file(s), "
+                 f"{self.ds.num_sequences:,} training sequences of {t['seq_len']} ({len(self.ds):,} "
+                 f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out")
+
+    def build_model(self, vocab_size: int) -> Any:
+        from kiln.core import AdamW, Model
+
+        m, t, o = self.c["model"], self.c["train"], self.c["optimizer"]
+        optimizer = AdamW(lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
+                          weight_decay=o["weight_decay"], max_grad_norm=o["max_grad_norm"] or None,
+                          warmup_steps=o["warmup_steps"], min_lr_ratio=o["min_lr_ratio"],
+                          total_steps=self.steps if o["schedule"] == "cosine" else None)
+        options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
+                   "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
+        if m["checkpoint"] is not None:
+            from kiln.hf import from_pretrained
+
+            model = from_pretrained(m["checkpoint"], **options)
+            what = f"{model.architecture} from {m['checkpoint']}"
+            vocab = int(model.hf_config.get("vocab_size", vocab_size))
+            if vocab < vocab_size:
+                raise TrainConfigError(f"has {vocab_size} tokens, more than the model's vocabulary of "
+                                       f"{vocab}", key="data.tokenizer", file=self.c.file)
+        else:
+            self.bundle = _scratch_bundle(self.c, vocab_size)
+            model = Model.from_ir(self.bundle, **options)
+            what = f"{m['name']} ({m['size']}) from scratch"
+        if self.mode == "lora":
+            from kiln.peft import get_peft_model
+
+            model = get_peft_model(model, _lora_config(self.c), seed=m["seed"])
+        try:  # compiles the training step: the recompute plan may not fit the budget
+            params = model.program(t["batch_size"], t["seq_len"]).params
+        except KilnError as e:
+            if t["recompute"] != "auto" or "budget" not in str(e):
+                raise
+            raise TrainConfigError(e.message, key="train.memory_budget", file=self.c.file,
+                                   hint=e.hint) from None
+        total = sum(math.prod(p.shape) for p in params)
+        trained = sum(math.prod(p.shape) for p in params if p.trainable)
+        self.say(f"model: {what}, {_count(total)} parameters ({_count(trained)} trained), "
+                 f"{t['backend']} backend")
+        return model
+
+    # -- checkpoints
+
+    def save(self, step: int) -> Path:
+        state = self.model.state_dict()
+        opt = state["optimizer"]
+        weights = {k: v for k, v in state["parameters"].items() if self.mode == "full" or k in opt["exp_avg"]}
+        moments = {f"{which}.{k}": v for which in ("exp_avg", "exp_avg_sq") for k, v in opt[which].items()}
+        rng: dict[str, Any] = {"shuffle_seed": self.c["data"]["seed"], "epoch": self.ds.epoch}
+        if hasattr(self.model, "rng_state"):  # random ops whose state lives in the model
+            rng["model"] = self.model.rng_state()
+        info = {"optimizer_step": opt["step"], "data": self.ds.state(), "rng": rng, "elapsed": self.clock(),
+                "config": self.c.fingerprint()}
+        keep = self.c["train"]["keep_checkpoints"]
+        return _checkpoint.save(self.ckpts, step, weights, moments, info, keep=keep)
+
+    def restore(self) -> int:
+        """Load the newest intact checkpoint; the step it was taken after (0 without one)."""
+        for path in reversed(_checkpoint.checkpoints(self.ckpts)):
+            try:
+                weights, moments, state = _checkpoint.load(path)
+            except KilnError as e:
+                self.say(f"skipping checkpoint {path.name} (renamed {_checkpoint.set_aside(path).name}): {e}")
+                continue
+            old, new = state.get("config", {}), self.c.fingerprint()
+            changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+            if changed:
+                raise TrainConfigError(f"is {new.get(changed[0])!r} here, {old.get(changed[0])!r} in the run "
+                                       f"being resumed; only {', '.join(_RESUMABLE)} may change on --resume",
+                                       key=changed[0], file=self.c.file)
+            opt: dict[str, Any] = {"step": state["optimizer_step"], "exp_avg": {}, "exp_avg_sq": {}}
+            for key, value in moments.items():
+                which, _, param = key.partition(".")
+                opt[which][param] = value
+            self.model.load_state_dict({"parameters": weights, "optimizer": opt})
+            if "model" in state["rng"] and hasattr(self.model, "set_rng_state"):
+                self.model.set_rng_state(state["rng"]["model"])
+            self.ds.load_state(state["data"])
+            self.elapsed, self.t0 = float(state.get("elapsed", 0.0)), time.perf_counter()
+            self.say(f"resuming from {path} (step {state['step']})")
+            return int(state["step"])
+        self.say("no checkpoint to resume from: starting at step 0")
+        return 0
+
+    # -- training
+
+    def evaluate(self) -> float:
+        """The mean loss over the first ``eval_batches`` held-out batches (the same every time)."""
+        val = self.ds.validation()
+        if val.num_sequences < val.batch_size:
+            val.drop_last = False  # one smaller batch rather than none
+        total, count = 0.0, 0
+        for i, batch in enumerate(val):
+            if i == self.c["train"]["eval_batches"]:
+                break
+            n = int(np.count_nonzero(batch["labels"] != -100))
+            total += self.model.loss(batch["input_ids"], batch["labels"]) * n
+            count += n
+        return total / max(count, 1)
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        while True:
+            yield from self.ds
+
+    def nonfinite(self, step: int, stats: Mapping[str, float], batch: Mapping[str, Any],
+                  before: Mapping[str, np.ndarray] | None) -> TrainingError:
+        what, value = ("loss", stats["loss"]) if not math.isfinite(stats["loss"]) else \
+            ("gradient norm", stats["grad_norm"])
+        found = _checkpoint.checkpoints(self.ckpts)
+        kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
+        message = f"non-finite {what} ({value}) at step {step}; {kept}"
+        if before is None:
+            return TrainingError(message, hint="run again with --resume --debug-nans to find the first op "
+                                               "that produced a non-finite value")
+        with np.errstate(all="ignore"):
+            return TrainingError(f"{message}\n{first_nonfinite(self.model, batch, before)}")
+
+    def run(self) -> dict[str, Any]:
+        found = _checkpoint.checkpoints(self.ckpts)
+        if found and not self.resume:
+            raise TrainConfigError(f"{str(self.dir)!r} holds the checkpoints of an earlier run (the last is "
+                                   f"{found[-1].name})", key="train.output_dir", file=self.c.file,
+                                   hint="pass --resume to continue it, or choose another output_dir")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _checkpoint.clean(self.ckpts)
+        tokenizer, eos = self.tokenizer()
+        self.data(tokenizer, eos)
+        self.model = self.build_model(tokenizer.get_vocab_size(with_added_tokens=True))
+        self.say(plan_summary(self.model, self.c["train"]["batch_size"], self.c["train"]["seq_len"]))
+        start = self.restore() if self.resume else 0
+        metrics = _Metrics(self.dir / "metrics.jsonl", start if start else -1)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self.on_sigint) if main else None
+        try:
+            interrupted = self.loop(start, metrics)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+            metrics.close()
+        return self.finish(metrics.records, interrupted, tokenizer, eos)
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        if self.stop:  # a second Ctrl-C: quit at once; the last checkpoint is intact
+            raise KeyboardInterrupt
+        self.stop = True
+        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to quit at once)")
+
+    def loop(self, start: int, metrics: _Metrics) -> bool:
+        """Train from step ``start`` to the last; True when Ctrl-C stopped it."""
+        t = self.c["train"]
+        evals, saves = t["eval_every"], t["checkpoint_every"]
+        self.progress = Progress(self.steps, start=start, stream=self.stream, every=t["log_every"])
+        if start == 0:
+            loss = self.evaluate()
+            metrics.write({"step": 0, "eval_loss": loss})
+            self.progress.eval_loss = loss
+            self.say(f"eval loss before training: {loss:.4f}")
+        saved, batches = start, self.batches()
+        for step in range(start + 1, self.steps + 1):
+            batch = next(batches)
+            before = self.model.parameters() if self.debug_nans else None
+            with np.errstate(all="ignore"):  # a non-finite loss is reported below, naming its step
+                stats = self.model.train_step(batch)
+            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
+                raise self.nonfinite(step, stats, batch, before)
+            record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                      "tokens": int(stats["tokens"])}
+            if (evals and step % evals == 0) or step == self.steps:
+                record["eval_loss"] = self.evaluate()
+            record["elapsed"] = round(self.clock(), 3)
+            metrics.write(record)
+            self.progress.update(step, stats["loss"], stats["tokens"], record.get("eval_loss"))
+            if (saves and step % saves == 0) or step == self.steps or self.stop:
+                self.save(step)
+                saved = step
+            if self.stop:
+                self.say(f"interrupted: checkpoint of step {step} saved in {self.ckpts}")
+                return True
+        if saved < self.steps and start < self.steps:
+            self.save(self.steps)
+        return False
+
+    def finish(self, records: list[dict[str, Any]], interrupted: bool, tokenizer: Any,
+               eos: str) -> dict[str, Any]:
+        from kiln.hf import save_tokenizer
+        from kiln.hf._plot import loss_curve
+
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        png = loss_curve(self.dir / "loss.png", [s for s, _ in train], [v for _, v in train],
+                         [s for s, _ in evals], [v for _, v in evals])
+        found = _checkpoint.checkpoints(self.ckpts)
+        summary: dict[str, Any] = {
+            "output_dir": self.dir, "tokenizer": self.dir / "tokenizer",
+            "metrics": self.dir / "metrics.jsonl", "loss_curve": png,
+            "checkpoint": found[-1] if found else None, "interrupted": interrupted,
+            "eval_loss_before": evals[0][1] if evals and evals[0][0] == 0 else None,
+            "eval_loss_after": evals[-1][1] if evals else None, "losses": [v for _, v in train]}
+        if interrupted:
+            return summary
+        if self.mode == "lora":
+            out = summary["adapter"] = _replace_dir(self.dir / "adapter", self.model.save_pretrained)
+        else:
+            out = summary["model"] = _replace_dir(self.dir / "model",
+                                                  lambda d: _save_model(self.model, d, self.bundle))
+        save_tokenizer(tokenizer, out, eos_token=eos)
+        before, after = summary["eval_loss_before"], summary["eval_loss_after"]
+        if before is not None and after is not None:
+            self.say(f"eval loss {before:.4f} -> {after:.4f} ({100 * (1 - after / before):.0f}% lower) in "
+                     f"{duration(self.clock())}")
+        what = "adapter" if self.mode == "lora" else "model"
+        self.say(f"saved the {what} to {out}, the loss curve to {png}")
+        return summary
+
+
+def train(config: TrainConfig | str | Path | Mapping[str, Any], *, resume: bool = False,
+          debug_nans: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run ``kiln train`` on a config (a :class:`TrainConfig`, a TOML file, or its content as a dict).
+
+    ``resume`` continues from the newest intact checkpoint in the output folder, bit for bit as if
+    the run had never stopped; ``debug_nans`` replays a step whose loss is not finite op by op and
+    names the first op that produced a NaN or an infinity. Progress goes to ``stream`` (stdout).
+    Returns a summary: ``output_dir``, ``model`` (or ``adapter``), ``tokenizer``, ``metrics``,
+    ``loss_curve``, ``checkpoint``, ``eval_loss_before``, ``eval_loss_after``, ``losses`` and
+    ``interrupted`` (Ctrl-C: a checkpoint was saved, and no model).
+    """
+    if not isinstance(config, TrainConfig):
+        config = load_train_config(config)
+    return _Run(config, resume=resume, debug_nans=debug_nans, stream=stream or sys.stdout).run()
+
+
+def run(args: Any) -> int:
+    """``kiln train``: 0 when the run ends, 130 when Ctrl-C stopped it (a checkpoint is saved)."""
+    try:
+        summary = train(args.config, resume=args.resume, debug_nans=args.debug_nans)
+    except KeyboardInterrupt:
+        print("\ninterrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
+        return 130
+    return 130 if summary["interrupted"] else 0
