@@ -73,6 +73,16 @@ def parity(session: nox.Session) -> None:
     session.run("pytest", "-m", "parity", *session.posargs)
 
 
+@nox.session(reuse_venv=True, venv_backend="venv")
+def bench(session: nox.Session) -> None:
+    """One training step of kiln's NumPy backend against transformers, interleaved (benchmarks/run.py).
+
+    Arguments go to run.py (`nox -s bench -- --quick`). pip for the CPU build of torch, as in `parity`.
+    """
+    _install_editable(session, "torch==2.13.0", "transformers", "threadpoolctl")
+    session.run("python", "benchmarks/run.py", *session.posargs)
+
+
 @nox.session(reuse_venv=True)
 def lint(session: nox.Session) -> None:
     """ruff over all code; mypy --strict over kiln.core (settings in pyproject.toml)."""

@@ -32,8 +32,8 @@ import numpy as np
 from kiln.core._dims import Const, DimExpr, parse_dim, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import check_same, randn
-from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad
+from kiln.core._oplib._common import Outs, allocating, check_same, or_scratch, randn, view
+from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad_into
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
 
 _ROPE_ATTRS = (
@@ -76,18 +76,22 @@ def rope_tables(freqs: np.ndarray | None, position_ids: np.ndarray, rotary_dim: 
     return np.cos(angle), np.sin(angle)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False) -> np.ndarray:
-    """Rotate ``x: [B, T, H, D]`` with tables ``[T or B, T, rotary_dim // 2]``; returns a new array."""
-    rd = 2 * cos.shape[-1]
-    c = np.concatenate([cos, cos], axis=-1)[..., None, :]
-    s = np.concatenate([sin, sin], axis=-1)[..., None, :]
+def rope_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray,
+              inverse: bool = False) -> None:
+    """Rotate ``x: [B, T, H, D]`` with tables ``[T or B, T, rotary_dim // 2]`` into ``out`` (which may be
+    ``x``): ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]`` on the first rotary_dim dims."""
+    h = cos.shape[-1]
+    c, s = cos[..., None, :], sin[..., None, :]
     if inverse:
         s = -s
-    xr = x[..., :rd]
-    rotated = np.concatenate([-xr[..., rd // 2:], xr[..., : rd // 2]], axis=-1)
-    out = x.copy()
-    out[..., :rd] = xr * c + rotated * s
-    return out
+    x1, x2, o1, o2 = x[..., :h], x[..., h:2 * h], out[..., :h], out[..., h:2 * h]
+    x1_s, x2_s = x1 * s, x2 * s  # before out (perhaps x) is written
+    np.multiply(x1, c, out=o1)
+    o1 -= x2_s
+    np.multiply(x2, c, out=o2)
+    o2 += x1_s
+    if out is not x:
+        out[..., 2 * h:] = x[..., 2 * h:]
 
 
 def _rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
@@ -97,14 +101,19 @@ def _rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
     return rd
 
 
-def _rope(x: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, *, head_dim: int,
-          rotary_dim: int | None, theta: float, inverse: bool) -> np.ndarray:
+def _rope_out(x: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, head_dim: int,
+              rotary_dim: int | None, theta: float, inverse: bool) -> None:
     b, t, f = x.shape
     if f % head_dim:
         raise OpError(f"op 'rope': last dim {f} is not a multiple of head_dim {head_dim}", op="rope")
     rd = _rotary_dim(rotary_dim, head_dim, "rope")
     cos, sin = rope_tables(freqs, position_ids, rd, theta, x.dtype, "rope")
-    return apply_rope(x.reshape(b, t, f // head_dim, head_dim), cos, sin, inverse).reshape(x.shape)
+    heads = (b, t, f // head_dim, head_dim)
+    rope_into(x.reshape(heads), cos, sin, view(out[0], heads), inverse)  # type: ignore[arg-type]
+
+
+def _rope(x: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> np.ndarray:
+    return allocating(_rope_out, [x.shape], x, *inputs, **attrs)[0]
 
 
 def _check_rope_inputs(ctx: InferContext, x: int, freqs: int, pos: int, head_dim: DimExpr) -> None:
@@ -173,22 +182,28 @@ def _split_qkv(qkv: np.ndarray, hq: int, hkv: int, d: int, op: str) -> tuple[np.
             qkv[..., (hq + hkv) * d:].reshape(b, t, hkv, d))
 
 
-def _pack(*parts: np.ndarray) -> np.ndarray:
-    return np.concatenate([p.reshape(*p.shape[:2], -1) for p in parts], axis=-1)
-
-
-def _qkv_norm_rope(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
-                   freqs: np.ndarray | None, position_ids: np.ndarray, *, Hq: int, Hkv: int, D: int,
-                   eps: float, theta: float, rotary_dim: int | None) -> tuple[np.ndarray, ...]:
+def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
+             freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int,
+             eps: float, theta: float, rotary_dim: int | None) -> None:
     op = "qkv_qk_norm_rope"
+    b, t = qkv.shape[:2]
+    qkv_out, q_rstd, k_rstd = or_scratch(out, [qkv.shape, (b, t, Hq), (b, t, Hkv)], qkv.dtype)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
+    oq, ok, ov = _split_qkv(qkv_out, Hq, Hkv, D, op)
     cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
-    outs, rstds = [], []
-    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
-        rstd = rms_rstd(x, eps) if w is not None else np.ones(x.shape[:-1], qkv.dtype)
-        outs.append(apply_rope(normalize(x, rstd, w) if w is not None else x, cos, sin))
-        rstds.append(rstd)
-    return _pack(*outs, v), rstds[0], rstds[1]
+    for x, w, o, rstd in ((q, q_norm_weight, oq, q_rstd), (k, k_norm_weight, ok, k_rstd)):
+        if w is None:
+            rstd[...] = 1
+            rope_into(x, cos, sin, o)
+        else:
+            rstd[...] = rms_rstd(x, eps)
+            rope_into(normalize(x, rstd, w, out=o), cos, sin, o)
+    ov[...] = v
+
+
+def _qkv_norm_rope(qkv: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
+    b, t = qkv.shape[:2]
+    return allocating(_qkv_out, [qkv.shape, (b, t, attrs["Hq"]), (b, t, attrs["Hkv"])], qkv, *inputs, **attrs)
 
 
 def _qkv_infer(ctx: InferContext) -> list[TensorType]:
@@ -214,27 +229,31 @@ def _qkv_backward(ctx: BackwardContext) -> list[str | None]:
     return [g if w else None for g, w in zip(grads, wanted, strict=True)] + [None, None]
 
 
-def _qkv_bwd_kernel(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: np.ndarray | None,
-                    k_norm_weight: np.ndarray | None, freqs: np.ndarray | None, position_ids: np.ndarray,
-                    q_rstd: np.ndarray, k_rstd: np.ndarray, d_q_rstd: np.ndarray | None = None,
-                    d_k_rstd: np.ndarray | None = None, *, Hq: int, Hkv: int, D: int,
-                    eps: float, theta: float, rotary_dim: int | None) -> tuple[np.ndarray, ...]:
+def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: np.ndarray | None,
+                 k_norm_weight: np.ndarray | None, freqs: np.ndarray | None, position_ids: np.ndarray,
+                 q_rstd: np.ndarray, k_rstd: np.ndarray, d_q_rstd: np.ndarray | None = None,
+                 d_k_rstd: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int, D: int,
+                 eps: float, theta: float, rotary_dim: int | None) -> None:
     op = "qkv_qk_norm_rope_backward"
+    d_qkv, d_qw, d_kw = or_scratch(out, [qkv.shape, (D,), (D,)], qkv.dtype)
     q, k, _ = _split_qkv(qkv, Hq, Hkv, D, op)
     d_q, d_k, d_v = _split_qkv(np.zeros_like(qkv) if d_qkv_out is None else d_qkv_out, Hq, Hkv, D, op)
+    g_q, g_k, g_v = _split_qkv(d_qkv, Hq, Hkv, D, op)
     cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
-    grads, d_ws = [], []
-    for x, dy, w, rstd, d_rstd in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd), (k, d_k, k_norm_weight, k_rstd,
-                                                                               d_k_rstd)):
-        dn = apply_rope(dy, cos, sin, inverse=True)
+    for x, dy, w, rstd, d_rstd, g, d_w in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, d_qw),
+                                           (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, d_kw)):
+        rope_into(dy, cos, sin, g, inverse=True)
         if w is None:  # no norm: the rstd output is constant ones
-            grads.append(dn)
-            d_ws.append(np.zeros(D, qkv.dtype))
+            d_w[...] = 0
         else:
-            dx, dw = rmsnorm_grad(dn, x, rstd, w, d_rstd)
-            grads.append(dx)
-            d_ws.append(dw)
-    return _pack(*grads, d_v), d_ws[0], d_ws[1]
+            rmsnorm_grad_into(g, x, rstd, w, d_rstd, g, d_w)
+    g_v[...] = d_v
+
+
+def _qkv_bwd_kernel(d_qkv_out: np.ndarray | None, qkv: np.ndarray, *inputs: np.ndarray | None,
+                    **attrs: Any) -> tuple[np.ndarray, ...]:
+    d = attrs["D"]
+    return allocating(_qkv_bwd_out, [qkv.shape, (d,), (d,)], d_qkv_out, qkv, *inputs, **attrs)
 
 
 def _qkv_bwd_infer(ctx: InferContext) -> list[TensorType]:
@@ -250,6 +269,18 @@ def _qkv_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((qkv, randn(rng, 4), None, None, pos), {**heads, "rotary_dim": 2, "eps": 0.1})
     yield Sample((randn(rng, 1, 3, 24), None, randn(rng, 4), randn(rng, 5, 2, 2), pos),
                  {"Hq": 2, "Hkv": 2, "D": 4})
+
+
+def _qkv_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    for s in _qkv_samples(rng):
+        qkv, *rest = s.inputs
+        assert qkv is not None
+        heads = {"eps": 1e-6, "theta": 10000.0, "rotary_dim": None, **s.attrs}
+        _, q_rstd, k_rstd = _qkv_norm_rope(qkv, *rest, **heads)
+        d_rstd = [randn(rng, *q_rstd.shape), randn(rng, *k_rstd.shape)]
+        for d_out, extra in ((randn(rng, *qkv.shape), [None, None]), (None, d_rstd),
+                             (randn(rng, *qkv.shape), d_rstd)):
+            yield Sample((d_out, qkv, *rest, q_rstd, k_rstd, *extra), s.attrs)
 
 
 def _qkv_cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
@@ -279,61 +310,142 @@ def _keep(tq: int, tk: int, causal: bool, window: int | None, op: str) -> np.nda
     return keep
 
 
-def _heads(q: np.ndarray, k: np.ndarray, v: np.ndarray, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[B, T, H, D] -> [B, H, T, D], with each kv head repeated for its group of query heads."""
-    hq, hkv = q.shape[2], k.shape[2]
+def _group(hq: int, hkv: int, op: str) -> int:
     if hkv <= 0 or hq % hkv:
         raise OpError(f"op {op!r}: Hq = {hq} must be a multiple of Hkv = {hkv}", op=op)
-    rep = hq // hkv
-    return (q.transpose(0, 2, 1, 3), np.repeat(k.transpose(0, 2, 1, 3), rep, axis=1),
-            np.repeat(v.transpose(0, 2, 1, 3), rep, axis=1))
+    return hq // hkv
 
 
-def _masked_scores(qh: np.ndarray, kh: np.ndarray, causal: bool, softmax_scale: float | None,
-                   window_size: int | None, op: str) -> np.ndarray:
-    s = (qh @ kh.swapaxes(-1, -2)) * qh.dtype.type(_scale(softmax_scale, qh.shape[-1]))
-    return np.where(_keep(qh.shape[2], kh.shape[2], causal, window_size, op), s, -np.inf)
+# The kernels below work on blocks of (query rows x keys), flash-attention style: a kv head's query
+# heads are stacked ([rep * rows, D]) so that one product serves the group, and each product is
+# small (rows x keys x D <= 2**19 multiply-adds), so that OpenBLAS runs it in the calling thread:
+# handing products this small to its threads costs more than it saves, and on a busy machine
+# (threads waiting for a core) each hand-off can cost milliseconds.
+BLOCK_MACS = 1 << 19
+QUERY_ROWS = 128  # stacked query rows (rep * rows) per block
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, softmax_scale: float | None,
-            window_size: int | None, op: str) -> tuple[np.ndarray, np.ndarray]:
-    qh, kh, vh = _heads(q, k, v, op)
-    s = _masked_scores(qh, kh, causal, softmax_scale, window_size, op)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m)
-    total = np.sum(p, axis=-1, keepdims=True)
-    probs = p / np.where(total > 0, total, 1)
-    with np.errstate(divide="ignore"):
-        lse = np.where(total > 0, m + np.log(total), np.inf)[..., 0]
-    return (probs @ vh).transpose(0, 2, 1, 3), lse
+def _blocks(keep: np.ndarray, rep: int, d: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """``(t0, t1, [(k0, k1), ...])``: query rows ``[t0, t1)`` and the key blocks any of them sees."""
+    tq, tk = keep.shape
+    rows = max(1, QUERY_ROWS // rep)
+    width = max(8, BLOCK_MACS // (rows * rep * d))
+    for t0 in range(0, tq, rows):
+        t1 = min(t0 + rows, tq)
+        seen = np.any(keep[t0:t1], axis=0)
+        yield t0, t1, [(k0, min(k0 + width, tk)) for k0 in range(0, tk, width) if seen[k0:k0 + width].any()]
 
 
-def _attend_grad(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
-                 lse: np.ndarray, d_lse: np.ndarray | None, causal: bool, softmax_scale: float | None,
-                 window_size: int | None, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    b, tk, hkv, d = k.shape
-    qh, kh, vh = _heads(q, k, v, op)
-    s = _masked_scores(qh, kh, causal, softmax_scale, window_size, op)
-    probs = np.exp(s - lse[..., None])
-    ds = np.zeros_like(probs)
-    dv = np.zeros_like(vh)
-    if d_out is not None:
-        do = d_out.transpose(0, 2, 1, 3)
-        delta = np.sum(do * out.transpose(0, 2, 1, 3), axis=-1, keepdims=True)
-        ds = probs * (do @ vh.swapaxes(-1, -2) - delta)
-        dv = probs.swapaxes(-1, -2) @ do
-    if d_lse is not None:  # d lse / d s = softmax(s)
-        ds = ds + probs * d_lse[..., None]
+def _rows(x: np.ndarray, t0: int, t1: int, hkv: int, rep: int, factor: Any = None) -> np.ndarray:
+    """Rows t0:t1 of ``x: [B, T, Hq, D]`` as a new ``[B, Hkv, rep * n, D]`` (a kv head's query heads
+    stacked), times ``factor`` if given."""
+    b, _, _, d = x.shape
+    n = t1 - t0
+    src = x[:, t0:t1].reshape(b, n, hkv, rep, d).transpose(0, 2, 3, 1, 4)
+    tile = np.multiply(src, factor) if factor is not None else src.copy()
+    return tile.reshape(b, hkv, rep * n, d)
+
+
+def _unrows(tile: np.ndarray, x: np.ndarray, t0: int, t1: int, hkv: int, rep: int) -> None:
+    """The inverse of :func:`_rows`: ``tile`` into rows t0:t1 of ``x``."""
+    b, _, _, d = x.shape
+    n = t1 - t0
+    view(x[:, t0:t1], (b, n, hkv, rep, d))[...] = tile.reshape(b, hkv, rep, n, d).transpose(0, 3, 1, 2, 4)
+
+
+def _scores(qt: np.ndarray, kh: np.ndarray, keep: np.ndarray, rep: int) -> np.ndarray:
+    """Scores of a query block (already scaled) against keys ``kh: [B, Hkv, k, D]``; masked: -inf."""
+    s: np.ndarray = np.matmul(qt, kh.swapaxes(-1, -2))
+    if not keep.all():
+        b, hkv, m, k = s.shape
+        np.copyto(s.reshape(b, hkv, rep, m // rep, k), -np.inf, where=~keep)
+    return s
+
+
+def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool,
+                  softmax_scale: float | None, window_size: int | None, op: str) -> None:
+    """Attention of ``q: [B, Tq, Hq, D]`` over ``k, v: [B, Tk, Hkv, D]`` (any strides) into ``out``
+    (``q``'s shape) and ``lse: [B, Hq, Tq]``, with an online softmax over key blocks."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    rep = _group(hq, hkv, op)
+    keep = _keep(tq, tk, causal, window_size, op)
     scale = q.dtype.type(_scale(softmax_scale, d))
-    dq = (ds @ kh) * scale
-    dk = (ds.swapaxes(-1, -2) @ qh) * scale
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, Tk, D] views
+    lse4 = view(lse, (b, hkv, rep, tq))
+    for t0, t1, keys in _blocks(keep, rep, d):
+        if not keys:  # no query of the tile sees a key
+            out[:, t0:t1] = 0
+            lse4[..., t0:t1] = np.inf
+            continue
+        qt = _rows(q, t0, t1, hkv, rep, scale)
+        m = np.full((*qt.shape[:3], 1), -np.inf, q.dtype)
+        total = np.zeros_like(m)
+        acc = np.zeros_like(qt)
+        for k0, k1 in keys:
+            s = _scores(qt, kh[:, :, k0:k1], keep[t0:t1, k0:k1], rep)
+            m_new = np.maximum(m, np.max(s, axis=-1, keepdims=True))
+            shift = np.where(np.isfinite(m_new), m_new, 0)  # rows that saw no key yet: exp(s) = 0
+            s -= shift
+            np.exp(s, out=s)
+            alpha = np.exp(m - shift)
+            total *= alpha
+            total += np.sum(s, axis=-1, keepdims=True)
+            acc *= alpha
+            acc += np.matmul(s, vh[:, :, k0:k1])
+            m = m_new
+        acc /= np.where(total > 0, total, 1)
+        _unrows(acc, out, t0, t1, hkv, rep)
+        with np.errstate(divide="ignore"):
+            found = np.where(total > 0, m + np.log(total), np.inf)
+        lse4[..., t0:t1] = found.reshape(b, hkv, rep, t1 - t0)
 
-    def fold(x: np.ndarray) -> np.ndarray:  # sum each kv head's group, back to [B, Tk, Hkv, D]
-        folded: np.ndarray = x.reshape(b, hkv, -1, tk, d).sum(axis=2)
-        return folded.transpose(0, 2, 1, 3)
 
-    return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)
+def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
+                   lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray,
+                   causal: bool, softmax_scale: float | None, window_size: int | None, op: str) -> None:
+    """Gradients of :func:`_attn_forward` into ``dq, dk, dv`` (shaped as q, k, v), from the saved lse:
+    ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)``, block by block."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    rep = _group(hq, hkv, op)
+    keep = _keep(tq, tk, causal, window_size, op)
+    scale = q.dtype.type(_scale(softmax_scale, d))
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    lse4 = np.reshape(lse, (b, hkv, rep, tq))
+    dlse4 = None if d_lse is None else np.reshape(d_lse, (b, hkv, rep, tq))
+    dkh, dvh = np.zeros(kh.shape, q.dtype), np.zeros(vh.shape, q.dtype)
+    for t0, t1, keys in _blocks(keep, rep, d):
+        if not keys:
+            dq[:, t0:t1] = 0
+            continue
+        rows = (b, hkv, rep * (t1 - t0), 1)
+        qt = _rows(q, t0, t1, hkv, rep, scale)
+        lse_t = lse4[..., t0:t1].reshape(rows)
+        # dS = P * (dP + shift), shift = d_lse - rowsum(dO * O)
+        shift = np.zeros(rows, q.dtype) if dlse4 is None else dlse4[..., t0:t1].reshape(rows)
+        dot = None
+        if d_out is not None:
+            dot = _rows(d_out, t0, t1, hkv, rep)
+            shift = shift - np.sum(dot * _rows(out, t0, t1, hkv, rep), axis=-1, keepdims=True)
+        dqt = np.zeros_like(qt)
+        for k0, k1 in keys:
+            p = _scores(qt, kh[:, :, k0:k1], keep[t0:t1, k0:k1], rep)
+            p -= lse_t
+            np.exp(p, out=p)
+            if dot is not None:
+                dvh[:, :, k0:k1] += np.matmul(p.swapaxes(-1, -2), dot)
+                ds = np.matmul(dot, vh[:, :, k0:k1].swapaxes(-1, -2))
+                ds += shift
+            else:
+                ds = np.broadcast_to(shift, p.shape).copy()
+            ds *= p
+            dqt += np.matmul(ds, kh[:, :, k0:k1])
+            dkh[:, :, k0:k1] += np.matmul(ds.swapaxes(-1, -2), qt)  # qt carries the scale
+        dqt *= scale
+        _unrows(dqt, dq, t0, t1, hkv, rep)
+    dk[...] = dkh.transpose(0, 2, 1, 3)
+    dv[...] = dvh.transpose(0, 2, 1, 3)
 
 
 def _check_heads(ctx: InferContext, hq: DimExpr, hkv: DimExpr) -> None:
@@ -349,11 +461,17 @@ def _attn_cost(b: int, tq: int, tk: int, hq_d: int, causal: bool, io: float, fac
 # --- flash_attention (packed qkv) ----------------------------------------------------------------
 
 
-def _flash(qkv: np.ndarray, *, Hq: int, Hkv: int, D: int, causal: bool,
-           softmax_scale: float | None, window_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _flash_out(qkv: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int, causal: bool,
+               softmax_scale: float | None, window_size: int | None) -> None:
+    b, t = qkv.shape[:2]
+    o, lse = or_scratch(out, [(b, t, Hq * D), (b, Hq, t)], qkv.dtype)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention")
-    out, lse = _attend(q, k, v, causal, softmax_scale, window_size, "flash_attention")
-    return out.reshape(*qkv.shape[:2], Hq * D), lse
+    _attn_forward(q, k, v, view(o, (b, t, Hq, D)), lse, causal, softmax_scale, window_size, "flash_attention")
+
+
+def _flash(qkv: np.ndarray, **attrs: Any) -> tuple[np.ndarray, ...]:
+    b, t = qkv.shape[:2]
+    return allocating(_flash_out, [(b, t, attrs["Hq"] * attrs["D"]), (b, attrs["Hq"], t)], qkv, **attrs)
 
 
 def _flash_infer(ctx: InferContext) -> list[TensorType]:
@@ -374,15 +492,20 @@ def _flash_backward(ctx: BackwardContext) -> list[str | None]:
                      ctx.saved_output(1), ctx.d_outputs[1], **ctx.attrs)]
 
 
-def _flash_bwd_kernel(d_out: np.ndarray | None, qkv: np.ndarray, out: np.ndarray, lse: np.ndarray,
-                      d_lse: np.ndarray | None = None, *, Hq: int, Hkv: int, D: int, causal: bool,
-                      softmax_scale: float | None, window_size: int | None) -> np.ndarray:
-    q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention_backward")
+def _flash_bwd_out(d_out: np.ndarray | None, qkv: np.ndarray, o: np.ndarray, lse: np.ndarray,
+                   d_lse: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int, D: int, causal: bool,
+                   softmax_scale: float | None, window_size: int | None) -> None:
+    op = "flash_attention_backward"
+    (d_qkv,) = or_scratch(out, [qkv.shape], qkv.dtype)
     heads = (*qkv.shape[:2], Hq, D)
-    d_out = None if d_out is None else d_out.reshape(heads)
-    grads = _attend_grad(d_out, q, k, v, out.reshape(heads), lse, d_lse, causal, softmax_scale, window_size,
-                         "flash_attention_backward")
-    return _pack(*grads)
+    q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
+    dq, dk, dv = _split_qkv(d_qkv, Hq, Hkv, D, op)
+    _attn_backward(None if d_out is None else d_out.reshape(heads), q, k, v, o.reshape(heads), lse, d_lse,
+                   dq, dk, dv, causal, softmax_scale, window_size, op)
+
+
+def _flash_bwd_kernel(d_out: np.ndarray | None, qkv: np.ndarray, *rest: Any, **attrs: Any) -> np.ndarray:
+    return allocating(_flash_bwd_out, [qkv.shape], d_out, qkv, *rest, **attrs)[0]
 
 
 def _flash_bwd_infer(ctx: InferContext) -> list[TensorType]:
@@ -398,6 +521,18 @@ def _flash_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 1, 5, 12),), {"Hq": 1, "Hkv": 1, "D": 4, "causal": False, "window_size": 2})
 
 
+def _backward_samples(forward: Any, samples: Any, n_in: int) -> Any:
+    """Samples of a backward op: each forward sample with its outputs, d_out and d_lse (each optional)."""
+    def make(rng: np.random.Generator) -> Iterator[Sample]:
+        for s in samples(rng):
+            attrs = {"causal": True, "softmax_scale": None, "window_size": None, **s.attrs}
+            o, lse = forward(*s.inputs, **attrs)
+            d_lse = randn(rng, *lse.shape)
+            for d_out, dl in ((randn(rng, *o.shape), None), (randn(rng, *o.shape), d_lse), (None, d_lse)):
+                yield Sample((d_out, *s.inputs[:n_in], o, lse, dl), s.attrs)
+    return make
+
+
 def _flash_cost(qkv_index: int, factor: float) -> Any:
     def cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
         b, t, f = shapes[qkv_index]
@@ -410,9 +545,14 @@ def _flash_cost(qkv_index: int, factor: float) -> Any:
 # --- attention (separate q, k, v) ----------------------------------------------------------------
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, softmax_scale: float | None,
-               window_size: int | None) -> tuple[np.ndarray, np.ndarray]:
-    return _attend(q, k, v, causal, softmax_scale, window_size, "attention")
+def _attention_out(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, out: Outs, causal: bool,
+                   softmax_scale: float | None, window_size: int | None) -> None:
+    o, lse = or_scratch(out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q.dtype)
+    _attn_forward(q, k, v, o, lse, causal, softmax_scale, window_size, "attention")
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **attrs: Any) -> tuple[np.ndarray, ...]:
+    return allocating(_attention_out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q, k, v, **attrs)
 
 
 def _attention_infer(ctx: InferContext) -> list[TensorType]:
@@ -433,11 +573,17 @@ def _attention_backward(ctx: BackwardContext) -> list[str | None]:
     return [g if ctx.needs_grad(i) else None for i, g in enumerate(grads)]
 
 
+def _attention_bwd_out(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
+                       lse: np.ndarray, d_lse: np.ndarray | None = None, *, out: Outs, causal: bool,
+                       softmax_scale: float | None, window_size: int | None) -> None:
+    dq, dk, dv = or_scratch(out, [q.shape, k.shape, v.shape], q.dtype)
+    _attn_backward(d_out, q, k, v, o, lse, d_lse, dq, dk, dv, causal, softmax_scale, window_size,
+                   "attention_backward")
+
+
 def _attention_bwd_kernel(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                          out: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None = None, *, causal: bool,
-                          softmax_scale: float | None, window_size: int | None) -> tuple[np.ndarray, ...]:
-    return _attend_grad(d_out, q, k, v, out, lse, d_lse, causal, softmax_scale, window_size,
-                        "attention_backward")
+                          *rest: Any, **attrs: Any) -> tuple[np.ndarray, ...]:
+    return allocating(_attention_bwd_out, [q.shape, k.shape, v.shape], d_out, q, k, v, *rest, **attrs)
 
 
 def _attention_bwd_infer(ctx: InferContext) -> list[TensorType]:
@@ -449,6 +595,12 @@ def _attention_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((q, k, v), {})
     yield Sample((q, k, v), {"causal": False, "window_size": 2, "softmax_scale": 0.7})
     yield Sample((randn(rng, 2, 3, 2, 2), randn(rng, 2, 5, 2, 2), randn(rng, 2, 5, 2, 2)), {"window_size": 3})
+
+
+def _attention_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    yield from _attention_samples(rng)
+    # queries 0 and 1 see no key (lse = inf): no finite-difference check can take this one
+    yield Sample((randn(rng, 1, 4, 2, 2), randn(rng, 1, 2, 1, 2), randn(rng, 1, 2, 1, 2)), {})
 
 
 def _attention_cost(q_index: int, factor: float) -> Any:
@@ -463,7 +615,7 @@ OPS = [
     OpDef(
         "rope", ("x", "freqs?", "position_ids"), ("out",), _rope, _rope_infer, backward=_rope_backward,
         attrs=(AttrSpec("head_dim", "dim"), *_ROPE_ATTRS, AttrSpec("inverse", "bool", False)),
-        samples=_rope_samples, cost=_rope_cost, nondiff_inputs={1, 2},
+        samples=_rope_samples, cost=_rope_cost, nondiff_inputs={1, 2}, out_kernel=_rope_out, inplace={0},
         doc="Rotary position embedding (HF rotate_half) of every head of x: [B, T, H * head_dim]; "
             "inverse=True rotates back.",
     ),
@@ -471,7 +623,7 @@ OPS = [
         "qkv_qk_norm_rope", ("qkv", "q_norm_weight?", "k_norm_weight?", "freqs?", "position_ids"),
         ("qkv_out", "q_rstd", "k_rstd"), _qkv_norm_rope, _qkv_infer, backward=_qkv_backward,
         attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), samples=_qkv_samples, cost=_qkv_cost,
-        nondiff_inputs={3, 4},
+        nondiff_inputs={3, 4}, out_kernel=_qkv_out,
         doc="Per-head RMSNorm of q and k (each only when its weight is given; its rstd is ones otherwise), "
             "then rope on q and k of packed qkv; v passes through.",
     ),
@@ -481,29 +633,33 @@ OPS = [
          "k_rstd", "d_q_rstd?", "d_k_rstd?"),
         ("d_qkv", "d_q_norm_weight", "d_k_norm_weight"), _qkv_bwd_kernel, _qkv_bwd_infer,
         attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), cost=lambda s, a: _qkv_cost(s[1:], a),
+        out_kernel=_qkv_bwd_out, samples=_qkv_bwd_samples,
         doc="Gradients of qkv_qk_norm_rope (a weight's gradient is zeros when that weight was omitted).",
     ),
     OpDef(
         "flash_attention", ("qkv",), ("out", "lse"), _flash, _flash_infer, backward=_flash_backward,
         attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples, cost=_flash_cost(0, 1.0),
+        out_kernel=_flash_out,
         doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window): "
             "out [B, T, Hq * D] and lse [B, Hq, T].",
     ),
     OpDef(
         "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?"), ("d_qkv",), _flash_bwd_kernel,
-        _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5),
+        _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5), out_kernel=_flash_bwd_out,
+        samples=_backward_samples(_flash, _flash_samples, 1),
         doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
     ),
     OpDef(
         "attention", ("q", "k", "v"), ("out", "lse"), _attention, _attention_infer,
         backward=_attention_backward, attrs=_ATTN_ATTRS, samples=_attention_samples,
-        cost=_attention_cost(0, 1.0),
+        cost=_attention_cost(0, 1.0), out_kernel=_attention_out,
         doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
             "lse [B, Hq, Tq].",
     ),
     OpDef(
         "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?"), ("d_q", "d_k", "d_v"),
         _attention_bwd_kernel, _attention_bwd_infer, attrs=_ATTN_ATTRS, cost=_attention_cost(1, 2.5),
+        out_kernel=_attention_bwd_out, samples=_backward_samples(_attention, _attention_bwd_samples, 3),
         doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",
     ),
 ]

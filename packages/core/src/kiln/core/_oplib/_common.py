@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,3 +34,31 @@ def float_dtype_of(*arrays: np.ndarray | None) -> np.dtype:
 
 def shapes(*dims: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(d) for d in dims]
+
+
+#: the outputs an ``out_kernel`` writes: arena views, ``None`` for an output nothing reads
+Outs = Sequence[np.ndarray | None]
+
+
+def or_scratch(out: Outs, shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+    """The ``out_kernel`` outputs, with a fresh array standing in for each unused (``None``) one."""
+    return [np.empty(s, dtype) if o is None else o for o, s in zip(out, shapes, strict=True)]
+
+
+def allocating(out_kernel: Callable[..., None], shapes: Sequence[tuple[int, ...]], *inputs: np.ndarray | None,
+               **attrs: Any) -> tuple[np.ndarray, ...]:
+    """Run ``out_kernel`` into fresh outputs (the float dtype of the inputs): the reference kernel of an
+    op whose only implementation is its ``out_kernel``, so the two agree bit for bit."""
+    dtype = float_dtype_of(*inputs)
+    outs = tuple(np.empty(s, dtype) for s in shapes)
+    out_kernel(*inputs, out=outs, **attrs)
+    return outs
+
+
+def view(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``x`` reshaped without a copy, so that writing the result writes ``x``."""
+    out = x.reshape(shape)
+    if out.size and not np.may_share_memory(out, x):
+        raise AssertionError(f"a {x.shape} array with strides {x.strides} has no {shape} view")
+    return out
+

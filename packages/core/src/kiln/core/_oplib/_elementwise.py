@@ -42,11 +42,6 @@ def _ew_cost(flops: float, arrays: int) -> Callable[[Sequence[tuple[int, ...]], 
     return lambda s, a: Cost(flops=flops * _numel(s[0]), bytes=4.0 * arrays * _numel(s[0]))
 
 
-def _sigmoid(x: Array) -> Array:
-    e = np.exp(-np.abs(x))  # never overflows
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
-
-
 def _away_from_zero(rng: np.random.Generator, *shape: int) -> Array:
     """Random values with |x| in [0.1, 2]: no kink of relu inside the finite-difference step."""
     return rng.uniform(0.1, 2.0, shape) * np.where(rng.random(shape) < 0.5, -1.0, 1.0)
@@ -194,13 +189,123 @@ def _scale_backward(ctx: BackwardContext) -> Grads:
 # Activations
 
 
-def _silu(x: Array) -> Array:
-    return x * _sigmoid(x)
+# The elementwise chains below run over blocks of rows: their temporaries stay in cache, and an output
+# may take over an input's storage (a block is read completely before it is written).
+_BLOCK = 1 << 16
 
 
-def _d_silu(x: Array) -> Array:
-    s = _sigmoid(x)
-    return s * (1 + x * (1 - s))
+def _rows2d(a: Array) -> Array:
+    return a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+
+
+def _over_blocks(a: Array, fn: Callable[[slice], None]) -> None:
+    """``fn(rows)`` over blocks of rows of the 2-D ``a``."""
+    rows, width = a.shape
+    step = max(1, _BLOCK // max(width, 1))
+    for r0 in range(0, rows, step):
+        fn(slice(r0, min(r0 + step, rows)))
+
+
+def _sigmoid_into(x: Array, out: Array) -> Array:
+    """1 / (1 + exp(-x)) into ``out`` (exp overflows to inf for very negative x: the result is 0)."""
+    np.negative(x, out=out)
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += 1
+    return np.reciprocal(out, out=out)
+
+
+def _silu_grads(d: Array, gate: Array, up: Array | None, d_gate: Array, s: Array) -> None:
+    """d_gate = d * up * silu'(gate), silu' = s (1 + gate (1 - s)); leaves d * silu(gate) in ``s``."""
+    _sigmoid_into(gate, s)
+    np.subtract(1, s, out=d_gate)
+    d_gate *= gate
+    d_gate += 1
+    d_gate *= s
+    if up is not None:
+        d_gate *= up
+    d_gate *= d
+    s *= gate
+    s *= d
+
+
+def _silu_out(x: Array, *, out: Sequence[Array]) -> None:
+    x2, o = _rows2d(x), _rows2d(out[0])
+
+    def block(r: slice) -> None:
+        _sigmoid_into(x2[r], o[r])
+        o[r] *= x2[r]
+
+    _over_blocks(x2, block)
+
+
+def _silu_backward_out(d: Array, x: Array, *, out: Sequence[Array]) -> None:
+    d2, x2, o = _rows2d(d), _rows2d(x), _rows2d(out[0])
+    _over_blocks(x2, lambda r: _silu_grads(d2[r], x2[r], None, o[r], np.empty_like(o[r])))
+
+
+def _silu_mul_out(gate: Array, up: Array, *, out: Sequence[Array]) -> None:
+    g2, u2, o = _rows2d(gate), _rows2d(up), _rows2d(out[0])
+
+    def block(r: slice) -> None:
+        _sigmoid_into(g2[r], o[r])
+        o[r] *= g2[r]
+        o[r] *= u2[r]
+
+    _over_blocks(g2, block)
+
+
+def _silu_mul_backward_out(d: Array, gate: Array, up: Array, *, out: Sequence[Array | None]) -> None:
+    d_gate, d_up = (np.empty_like(gate) if o is None else o for o in out)
+    d2, g2, u2, dg, du = (_rows2d(a) for a in (d, gate, up, d_gate, d_up))
+    _over_blocks(g2, lambda r: _silu_grads(d2[r], g2[r], u2[r], dg[r], du[r]))
+
+
+def _swiglu_out(x: Array, *, out: Sequence[Array]) -> None:
+    x2, o = _rows2d(x), _rows2d(out[0])
+    m = o.shape[1]
+
+    def block(r: slice) -> None:
+        _sigmoid_into(x2[r, :m], o[r])
+        o[r] *= x2[r, :m]
+        o[r] *= x2[r, m:]
+
+    _over_blocks(o, block)
+
+
+def _swiglu_backward_out(d: Array, x: Array, *, out: Sequence[Array]) -> None:
+    d2, x2, o = _rows2d(d), _rows2d(x), _rows2d(out[0])
+    m = d2.shape[1]
+    shared = np.may_share_memory(o, x2)  # d_x took over x's storage: each block goes through scratch
+
+    def block(r: slice) -> None:
+        grads = np.empty_like(o[r]) if shared else o[r]
+        _silu_grads(d2[r], x2[r, :m], x2[r, m:], grads[:, :m], grads[:, m:])
+        if shared:
+            o[r] = grads
+
+    _over_blocks(d2, block)
+
+
+def _allocating(out_kernel: Callable[..., None], like: int = 0) -> Callable[..., Array]:
+    """The reference kernel of a one-output op whose out_kernel is its implementation."""
+    def kernel(*inputs: Array) -> Array:
+        out = np.empty_like(inputs[like])
+        out_kernel(*inputs, out=(out,))
+        return out
+    return kernel
+
+
+def _swiglu(x: Array) -> Array:
+    out = np.empty((*x.shape[:-1], x.shape[-1] // 2), x.dtype)
+    _swiglu_out(x, out=(out,))
+    return out
+
+
+def _silu_mul_backward(d: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+    outs = (np.empty_like(gate), np.empty_like(gate))
+    _silu_mul_backward_out(d, gate, up, out=outs)
+    return outs
 
 
 def _gelu(x: Array, *, approximate: str) -> Array:
@@ -217,20 +322,6 @@ def _gelu_backward(d: Array, x: Array, *, approximate: str) -> Array:
     # d/dx x Φ(x) = Φ(x) + x φ(x)
     cdf = 0.5 * (1 + _erf(x * _INV_SQRT_2))
     return d * (cdf + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x))
-
-
-def _swiglu(x: Array) -> Array:
-    gate, up = np.split(x, 2, axis=-1)
-    return _silu(gate) * up
-
-
-def _swiglu_backward(d: Array, x: Array) -> Array:
-    gate, up = np.split(x, 2, axis=-1)
-    return np.concatenate(_silu_mul_backward(d, gate, up), axis=-1)
-
-
-def _silu_mul_backward(d: Array, gate: Array, up: Array) -> tuple[Array, Array]:
-    return d * up * _d_silu(gate), d * _silu(gate)
 
 
 def _swiglu_infer(ctx: InferContext) -> list[TensorType]:
@@ -498,9 +589,11 @@ OPS = [
           cost=lambda s, a: Cost(bytes=4.0 * (_numel(s[0]) + _numel(a["shape"]))),
           doc="x broadcast to shape: NumPy rules, or with axes, x lacks exactly those result axes."),
     # activations
-    OpDef("silu", ("x",), ("out",), _silu, same_as(), backward=_unary_rule("silu_backward"),
-          samples=_unary_samples, cost=_ew_cost(5, 2), doc="out = x * sigmoid(x)."),
-    OpDef("silu_backward", ("d_out", "x"), ("d_x",), lambda d, x: d * _d_silu(x), _same_shapes_infer(2),
+    OpDef("silu", ("x",), ("out",), _allocating(_silu_out), same_as(), backward=_unary_rule("silu_backward"),
+          samples=_unary_samples, cost=_ew_cost(5, 2), out_kernel=_silu_out, doc="out = x * sigmoid(x)."),
+    OpDef("silu_backward", ("d_out", "x"), ("d_x",), _allocating(_silu_backward_out, 1),
+          _same_shapes_infer(2), out_kernel=_silu_backward_out,
+          samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 3, 4) * 2))],
           cost=_ew_cost(8, 3), doc="d_x = d_out * sigmoid(x) * (1 + x * (1 - sigmoid(x)))."),
     OpDef("relu", ("x",), ("out",), lambda x: np.maximum(x, 0), same_as(),
           backward=_unary_rule("relu_backward"), samples=_relu_samples, cost=_ew_cost(1, 2),
@@ -519,16 +612,21 @@ OPS = [
           cost=_ew_cost(15, 3), doc="d_x = d_out * gelu'(x) for the same approximation."),
     OpDef("swiglu", ("x",), ("out",), _swiglu, _swiglu_infer, backward=_unary_rule("swiglu_backward"),
           samples=lambda rng: [Sample((randn(rng, 3, 8) * 2,)), Sample((randn(rng, 2, 3, 6) * 2,))],
-          cost=lambda s, a: Cost(flops=3.0 * _numel(s[0]), bytes=6.0 * _numel(s[0])),
+          cost=lambda s, a: Cost(flops=3.0 * _numel(s[0]), bytes=6.0 * _numel(s[0])), out_kernel=_swiglu_out,
           doc="out = silu(gate) * up where x's last dim is laid out [gate | up]; out has half of it."),
-    OpDef("swiglu_backward", ("d_out", "x"), ("d_x",), _swiglu_backward, _swiglu_backward_infer,
+    OpDef("swiglu_backward", ("d_out", "x"), ("d_x",), _allocating(_swiglu_backward_out, 1),
+          _swiglu_backward_infer, out_kernel=_swiglu_backward_out, inplace={1},
+          samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 3, 8) * 2)),
+                               Sample((randn(rng, 2, 3, 3), randn(rng, 2, 3, 6) * 2))],
           cost=lambda s, a: Cost(flops=6.0 * _numel(s[1]), bytes=10.0 * _numel(s[1])),
           doc="d_x = [d_gate | d_up] for swiglu."),
-    OpDef("silu_mul", ("gate", "up"), ("out",), lambda g, u: _silu(g) * u, _same_shapes_infer(2),
+    OpDef("silu_mul", ("gate", "up"), ("out",), _allocating(_silu_mul_out), _same_shapes_infer(2),
           backward=_silu_mul_rule, samples=lambda rng: [Sample((randn(rng, 3, 4) * 2, randn(rng, 3, 4)))],
+          out_kernel=_silu_mul_out,
           cost=_ew_cost(6, 3), doc="out = silu(gate) * up."),
     OpDef("silu_mul_backward", ("d_out", "gate", "up"), ("d_gate", "d_up"), _silu_mul_backward,
-          _same_shapes_infer(3, 2), cost=_ew_cost(12, 5),
+          _same_shapes_infer(3, 2), cost=_ew_cost(12, 5), out_kernel=_silu_mul_backward_out,
+          samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 3, 4) * 2, randn(rng, 3, 4)))],
           doc="d_gate = d_out * up * silu'(gate), d_up = d_out * silu(gate)."),
     OpDef("softmax", ("x",), ("out",), _softmax, _softmax_infer, backward=_softmax_rule, attrs=(_AXIS,),
           samples=_softmax_samples, cost=_ew_cost(5, 2), doc="out = exp(x) / sum(exp(x)) along axis."),

@@ -11,7 +11,14 @@ import numpy as np
 from kiln.core._dims import DimExpr, parse_dim
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType, is_float
-from kiln.core._oplib._common import check_same, float_dtype_of, randn
+from kiln.core._oplib._common import (
+    Outs,
+    allocating,
+    check_same,
+    float_dtype_of,
+    or_scratch,
+    randn,
+)
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
 
 
@@ -44,11 +51,29 @@ def _embedding_infer(ctx: InferContext) -> list[TensorType]:
     return [TensorType((*ctx.shape(0), w[1]), ctx.dtype(1))]
 
 
+def _embedding_out(ids: np.ndarray, weight: np.ndarray, *, out: Outs) -> None:
+    _check_ids("embedding", ids, weight.shape[0])
+    np.take(weight, ids, axis=0, out=out[0])
+
+
 def _embedding_backward(d_out: np.ndarray, ids: np.ndarray, *, num_embeddings: int) -> np.ndarray:
-    _check_ids("embedding_backward", ids, num_embeddings)
-    dw = np.zeros((num_embeddings, d_out.shape[-1]), d_out.dtype)
-    np.add.at(dw, ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))  # repeated ids accumulate
+    dw = np.empty((num_embeddings, d_out.shape[-1]), d_out.dtype)
+    _embedding_backward_out(d_out, ids, out=(dw,), num_embeddings=num_embeddings)
     return dw
+
+
+def _embedding_backward_out(d_out: np.ndarray, ids: np.ndarray, *, out: Outs, num_embeddings: int) -> None:
+    _check_ids("embedding_backward", ids, num_embeddings)
+    dw = out[0]
+    assert dw is not None
+    dw[...] = 0
+    # repeated ids accumulate: sum each id's rows (in order of occurrence), then one scatter
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    if starts.size:
+        dw[ordered[starts]] = np.add.reduceat(d_out.reshape(-1, d_out.shape[-1])[order], starts, axis=0)
 
 
 def _embedding_backward_infer(ctx: InferContext) -> list[TensorType]:
@@ -167,8 +192,18 @@ def _cross_entropy_samples(rng: np.random.Generator) -> Iterator[Sample]:
 # --- fused_lm_head_loss --------------------------------------------------------------------------
 
 
-def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None) -> np.ndarray:
-    z: np.ndarray = x @ w.T
+#: bound on the elements of one block of logits ([rows, vocabulary chunk]) the fused LM-head ops hold
+LOGITS_TILE = 1 << 22
+
+
+def _row_tiles(n: int, chunk: int) -> Iterator[slice]:
+    rows = max(1, min(n, LOGITS_TILE // max(chunk, 1)))
+    for r0 in range(0, n, rows):
+        yield slice(r0, min(r0 + rows, n))
+
+
+def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None, into: np.ndarray) -> np.ndarray:
+    z: np.ndarray = np.matmul(x, w.T, out=into[: x.shape[0] * w.shape[0]].reshape(x.shape[0], w.shape[0]))
     if softcap is not None:
         z /= softcap
         np.tanh(z, out=z)
@@ -176,39 +211,72 @@ def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None) -> np.nda
     return z
 
 
-def _fused_lm_head_loss(x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *, ignore_index: int,
-                        chunk_size: int, softcap: float | None) -> tuple[np.ndarray, ...]:
+def _fused_lm_head_loss_out(x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *, out: Outs,
+                            ignore_index: int, chunk_size: int, softcap: float | None) -> None:
     dtype = float_dtype_of(x, weight)
     x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
-    t = _targets(targets, weight.shape[0], ignore_index, "fused_lm_head_loss")
-    return _streaming_loss(x.shape[0], weight.shape[0], chunk_size,
-                           lambda a, b: _chunk_logits(x, weight[a:b], softcap), t, dtype)
+    n, v = x.shape[0], weight.shape[0]
+    loss, lse = or_scratch(out, [(n,), (n,)], dtype)
+    t = _targets(targets, v, ignore_index, "fused_lm_head_loss")
+    chunk = min(chunk_size, v)
+    buf = np.empty(min(n, max(1, LOGITS_TILE // chunk)) * chunk, dtype)
+    for r in _row_tiles(n, chunk):
+        xr = x[r]
+
+        def logits(a: int, b: int, xr: np.ndarray = xr) -> np.ndarray:
+            return _chunk_logits(xr, weight[a:b], softcap, buf)
+
+        loss[r], lse[r] = _streaming_loss(xr.shape[0], v, chunk, logits, t[r], dtype)
+
+
+def _fused_lm_head_loss(x: np.ndarray, weight: np.ndarray, targets: np.ndarray,
+                        **attrs: Any) -> tuple[np.ndarray, ...]:
+    n = x.shape[0]
+    return allocating(_fused_lm_head_loss_out, [(n,), (n,)], x, weight, targets, **attrs)
+
+
+def _fused_lm_head_loss_backward_out(d_loss: np.ndarray | None, x: np.ndarray, weight: np.ndarray,
+                                     targets: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, *,
+                                     out: Outs, ignore_index: int, chunk_size: int,
+                                     softcap: float | None) -> None:
+    dtype = float_dtype_of(x, weight)
+    x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
+    n, v = x.shape[0], weight.shape[0]
+    dx, dw = out
+    t = _targets(targets, v, ignore_index, "fused_lm_head_loss_backward")
+    dl, dlse = _cotangents(d_loss, d_lse, t, dtype)
+    chunk = min(chunk_size, v)
+    buf = np.empty(min(n, max(1, LOGITS_TILE // chunk)) * chunk, dtype)
+    dx_part = np.empty(x.shape, dtype) if dx is not None else None
+    dw_part = np.empty((chunk, x.shape[1]), dtype) if dw is not None else None
+    for i, r in enumerate(_row_tiles(n, chunk)):
+        for v0 in range(0, v, chunk):
+            w = weight[v0:v0 + chunk]
+            if softcap is None:
+                g = _logits_grad(_chunk_logits(x[r], w, None, buf), v0, lse[r], t[r], dl[r], dlse[r])
+            else:  # capped = softcap * tanh(raw / softcap), so d raw = d capped * (1 - tanh^2)
+                th = _chunk_logits(x[r], w, None, buf)
+                th /= softcap
+                np.tanh(th, out=th)
+                g = _logits_grad(th * softcap, v0, lse[r], t[r], dl[r], dlse[r])
+                np.square(th, out=th)
+                g *= np.subtract(1, th, out=th)
+            if dx is not None and dx_part is not None:
+                if v0 == 0:
+                    np.matmul(g, w, out=dx[r])
+                else:
+                    dx[r] += np.matmul(g, w, out=dx_part[r])
+            if dw is not None and dw_part is not None:
+                if i == 0:
+                    np.matmul(g.T, x[r], out=dw[v0:v0 + chunk])
+                else:
+                    dw[v0:v0 + chunk] += np.matmul(g.T, x[r], out=dw_part[: w.shape[0]])
 
 
 def _fused_lm_head_loss_backward(d_loss: np.ndarray | None, x: np.ndarray, weight: np.ndarray,
-                                 targets: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, *,
-                                 ignore_index: int, chunk_size: int,
-                                 softcap: float | None) -> tuple[np.ndarray, np.ndarray]:
-    dtype = float_dtype_of(x, weight)
-    x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
-    t = _targets(targets, weight.shape[0], ignore_index, "fused_lm_head_loss_backward")
-    dl, dlse = _cotangents(d_loss, d_lse, t, dtype)
-    dx, dw = np.zeros(x.shape, dtype), np.empty(weight.shape, dtype)
-    for v0 in range(0, weight.shape[0], chunk_size):
-        w = weight[v0:v0 + chunk_size]
-        if softcap is None:
-            g = _logits_grad(x @ w.T, v0, lse, t, dl, dlse)
-        else:  # capped = softcap * tanh(raw / softcap), so d raw = d capped * (1 - tanh^2)
-            th = x @ w.T
-            th /= softcap
-            np.tanh(th, out=th)
-            g = _logits_grad(th * softcap, v0, lse, t, dl, dlse)
-            np.square(th, out=th)
-            g *= np.subtract(1, th, out=th)
-        dx += g @ w
-        np.matmul(g.T, x, out=dw[v0:v0 + chunk_size])
-        del g  # before the next chunk's logits are allocated
-    return dx, dw
+                                 *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
+    return allocating(_fused_lm_head_loss_backward_out, [x.shape, weight.shape], d_loss, x, weight, *inputs,
+                      **attrs)
 
 
 def _fused_infer(ctx: InferContext) -> list[TensorType]:
@@ -248,6 +316,17 @@ def _fused_samples(rng: np.random.Generator) -> Iterator[Sample]:
                                                                                     "ignore_index": 0})
 
 
+def _fused_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    for s in _fused_samples(rng):
+        attrs = {"ignore_index": -100, "softcap": None, **s.attrs}
+        x, w, targets = s.inputs
+        assert x is not None and w is not None and targets is not None
+        loss, lse = _fused_lm_head_loss(x, w, targets, **attrs)
+        for d_loss, d_lse in ((randn(rng, *loss.shape), None), (None, randn(rng, *loss.shape)),
+                              (randn(rng, *loss.shape), randn(rng, *loss.shape))):
+            yield Sample((d_loss, *s.inputs, lse, d_lse), s.attrs)
+
+
 def _fused_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any], backward: bool = False) -> Cost:
     x, w = shapes[1:3] if backward else shapes[:2]
     n, (v, c) = x[0], w
@@ -262,13 +341,16 @@ _FUSED_ATTRS = (_IGNORE, AttrSpec("chunk_size", "int", 4096), AttrSpec("softcap"
 OPS = [
     OpDef(
         "embedding", ("token_ids", "weight"), ("out",), _embedding, _embedding_infer,
-        backward=_embedding_rule, samples=_embedding_samples, nondiff_inputs={0},
+        backward=_embedding_rule, samples=_embedding_samples, nondiff_inputs={0}, out_kernel=_embedding_out,
         cost=lambda s, a: Cost(bytes=8.0 * math.prod(s[0]) * s[1][1]),
         doc="out[..., :] = weight[token_ids[...], :].",
     ),
     OpDef(
         "embedding_backward", ("d_out", "token_ids"), ("d_weight",), _embedding_backward,
         _embedding_backward_infer, attrs=(AttrSpec("num_embeddings", "dim"),), nondiff_inputs={1},
+        out_kernel=_embedding_backward_out, samples=lambda rng: [
+            Sample((randn(rng, 2, 5, 4), np.array([[1, 4, 1, 0, 6], [4, 4, 2, 1, 3]])),
+                   {"num_embeddings": 7})],
         cost=lambda s, a: Cost(flops=float(math.prod(s[0])), bytes=8.0 * math.prod(s[0])),
         doc="d_weight[i] = sum of d_out rows whose token id is i (scatter-add).",
     ),
@@ -287,13 +369,14 @@ OPS = [
     OpDef(
         "fused_lm_head_loss", ("x", "weight", "targets"), ("loss", "lse"), _fused_lm_head_loss, _fused_infer,
         backward=_fused_rule, attrs=_FUSED_ATTRS, samples=_fused_samples, nondiff_inputs={2},
-        cost=_fused_cost,
+        cost=_fused_cost, out_kernel=_fused_lm_head_loss_out,
         doc="cross_entropy(x @ weight^T, targets) over vocabulary chunks; logits are never materialised.",
     ),
     OpDef(
         "fused_lm_head_loss_backward", ("d_loss?", "x", "weight", "targets", "lse", "d_lse?"),
         ("d_x", "d_weight"), _fused_lm_head_loss_backward, _fused_backward_infer, attrs=_FUSED_ATTRS,
         nondiff_inputs={3}, cost=lambda s, a: _fused_cost(s, a, backward=True),
+        out_kernel=_fused_lm_head_loss_backward_out, samples=_fused_bwd_samples,
         doc="(d_x, d_weight) of fused_lm_head_loss, recomputing each vocabulary chunk's logits.",
     ),
 ]

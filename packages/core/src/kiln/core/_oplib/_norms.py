@@ -14,16 +14,18 @@ from typing import Any
 import numpy as np
 
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import check_same, randn
+from kiln.core._oplib._common import Outs, check_same, or_scratch, randn
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
 
 _EPS_RMS = (AttrSpec("eps", "float", 1e-6),)
 _EPS_LN = (AttrSpec("eps", "float", 1e-5),)
 
 
-def normalize(x: np.ndarray, rstd: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def normalize(x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
+              out: np.ndarray | None = None) -> np.ndarray:
     """``(x * rstd) * weight``: the one place forward and apply_saved compute y, so they agree bitwise."""
-    y: np.ndarray = (x * rstd[..., None]) * weight
+    y: np.ndarray = np.multiply(x, rstd[..., None], out=out)
+    y *= weight
     return y
 
 
@@ -32,19 +34,37 @@ def rms_rstd(x: np.ndarray, eps: float) -> np.ndarray:
     return rstd
 
 
+def rmsnorm_grad_into(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
+                      d_rstd: np.ndarray | None, d_x: np.ndarray, d_w: np.ndarray | None,
+                      d_extra: np.ndarray | None = None) -> None:
+    """(d_x, d_weight) of y = x * rstd * weight, rstd = (mean(x^2) + eps)^-1/2, written into ``d_x`` and
+    ``d_w``; ``d_extra`` (a residual's gradient) is added to d_x. ``d_x`` may be ``d_y`` itself."""
+    r = rstd[..., None]
+    if d_y is None:
+        d_x[...] = 0
+        if d_w is not None:
+            d_w[...] = 0
+    else:
+        xhat = x * r
+        work = d_y * xhat
+        if d_w is not None:
+            np.sum(work, axis=tuple(range(x.ndim - 1)), out=d_w)
+        np.multiply(d_y, weight, out=d_x)  # g = d_y * weight; d_y is not read again
+        np.multiply(d_x, xhat, out=work)
+        xhat *= np.mean(work, axis=-1, keepdims=True)
+        d_x -= xhat
+        d_x *= r  # d_x = rstd * (g - xhat * mean(g * xhat))
+    if d_rstd is not None:  # d rstd / d x = -rstd^3 x / C
+        d_x -= d_rstd[..., None] * r ** 3 * x / x.shape[-1]
+    if d_extra is not None:
+        d_x += d_extra
+
+
 def rmsnorm_grad(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
                  d_rstd: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """(d_x, d_weight) of y = x * rstd * weight, rstd = (mean(x^2) + eps)^-1/2."""
-    r = rstd[..., None]
-    xhat = x * r
-    d_x = np.zeros_like(x)
-    d_w = np.zeros_like(weight)
-    if d_y is not None:
-        g = d_y * weight
-        d_x = r * (g - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
-        d_w = np.sum(d_y * xhat, axis=tuple(range(x.ndim - 1)))
-    if d_rstd is not None:  # d rstd / d x = -rstd^3 x / C
-        d_x = d_x - d_rstd[..., None] * r ** 3 * x / x.shape[-1]
+    d_x, d_w = np.empty_like(x), np.empty_like(weight)
+    rmsnorm_grad_into(d_y, x, rstd, weight, d_rstd, d_x, d_w)
     return d_x, d_w
 
 
@@ -74,6 +94,12 @@ def _rmsnorm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> tuple[np.ndarr
     return normalize(x, rstd, weight), rstd
 
 
+def _rmsnorm_out(x: np.ndarray, weight: np.ndarray, *, out: Outs, eps: float) -> None:
+    y, rstd = or_scratch(out, [x.shape, x.shape[:-1]], x.dtype)
+    rstd[...] = rms_rstd(x, eps)
+    normalize(x, rstd, weight, out=y)
+
+
 def _rmsnorm_infer(ctx: InferContext) -> list[TensorType]:
     _check_norm(ctx, 0, 1)
     return [_like(ctx, 0), _stat(ctx, 0)]
@@ -90,6 +116,12 @@ def _rmsnorm_backward(ctx: BackwardContext) -> list[str | None]:
 def _rmsnorm_bwd_kernel(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
                         d_rstd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     return rmsnorm_grad(d_y, x, rstd, weight, d_rstd)
+
+
+def _rmsnorm_bwd_out(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
+                     d_rstd: np.ndarray | None = None, *, out: Outs) -> None:
+    d_x, d_w = or_scratch(out, [x.shape, weight.shape], x.dtype)
+    rmsnorm_grad_into(d_y, x, rstd, weight, d_rstd, d_x, d_w)
 
 
 def _rmsnorm_bwd_infer(ctx: InferContext) -> list[TensorType]:
@@ -117,6 +149,13 @@ def _fused(residual: np.ndarray, x: np.ndarray, weight: np.ndarray, *,
     return res, normalize(res, rstd, weight), rstd
 
 
+def _fused_out(residual: np.ndarray, x: np.ndarray, weight: np.ndarray, *, out: Outs, eps: float) -> None:
+    res, y, rstd = or_scratch(out, [x.shape, x.shape, x.shape[:-1]], x.dtype)
+    np.add(residual, x, out=res)  # res may be residual's own storage
+    rstd[...] = rms_rstd(res, eps)
+    normalize(res, rstd, weight, out=y)
+
+
 def _fused_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, ctx.shape(0), ctx.shape(1), "residual and input differ")
     _check_norm(ctx, 0, 2)
@@ -136,10 +175,19 @@ def _fused_backward(ctx: BackwardContext) -> list[str | None]:
 def _fused_bwd_kernel(d_y: np.ndarray | None, d_residual_out: np.ndarray | None, residual_out: np.ndarray,
                       rstd: np.ndarray, weight: np.ndarray,
                       d_rstd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d_x, d_w = rmsnorm_grad(d_y, residual_out, rstd, weight, d_rstd)
-    if d_residual_out is not None:
-        d_x = d_x + d_residual_out
-    return d_x, d_x.copy(), d_w
+    d_residual, d_x, d_w = (np.empty_like(a) for a in (residual_out, residual_out, weight))
+    _fused_bwd_out(d_y, d_residual_out, residual_out, rstd, weight, d_rstd, out=(d_residual, d_x, d_w))
+    return d_residual, d_x, d_w
+
+
+def _fused_bwd_out(d_y: np.ndarray | None, d_residual_out: np.ndarray | None, residual_out: np.ndarray,
+                   rstd: np.ndarray, weight: np.ndarray, d_rstd: np.ndarray | None = None, *,
+                   out: Outs) -> None:
+    d_residual, d_x, d_w = out
+    first = d_residual if d_residual is not None else d_x if d_x is not None else np.empty_like(residual_out)
+    rmsnorm_grad_into(d_y, residual_out, rstd, weight, d_rstd, first, d_w, d_residual_out)
+    if d_residual is not None and d_x is not None:
+        np.copyto(d_x, d_residual)
 
 
 def _fused_bwd_infer(ctx: InferContext) -> list[TensorType]:
@@ -152,11 +200,30 @@ def _fused_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 4, 6), randn(rng, 4, 6), randn(rng, 6)), {"eps": 0.1})
 
 
+def _rms_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    x, w = randn(rng, 2, 3, 5), randn(rng, 5)
+    rstd = _rmsnorm(x, w, eps=1e-6)[1]
+    yield Sample((randn(rng, 2, 3, 5), x, rstd, w, None))
+    yield Sample((randn(rng, 2, 3, 5), x, rstd, w, randn(rng, 2, 3)))
+    yield Sample((None, x, rstd, w, randn(rng, 2, 3)))
+
+
+def _fused_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    for s in _rms_bwd_samples(rng):
+        d_y, x, rstd, w, d_rstd = s.inputs
+        yield Sample((d_y, randn(rng, 2, 3, 5), x, rstd, w, d_rstd))
+        yield Sample((d_y, None, x, rstd, w, d_rstd))
+
+
 # --- apply_saved (recompute only) ----------------------------------------------------------------
 
 
 def _rms_apply_saved(x: np.ndarray, rstd: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return normalize(x, rstd, weight)
+
+
+def _rms_apply_saved_out(x: np.ndarray, rstd: np.ndarray, weight: np.ndarray, *, out: Outs) -> None:
+    normalize(x, rstd, weight, out=out[0])
 
 
 def _rms_apply_saved_infer(ctx: InferContext) -> list[TensorType]:
@@ -169,6 +236,13 @@ def _fused_apply_saved(residual: np.ndarray, x: np.ndarray, rstd: np.ndarray,
                        weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     res = residual + x
     return res, normalize(res, rstd, weight)
+
+
+def _fused_apply_saved_out(residual: np.ndarray, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray, *,
+                           out: Outs) -> None:
+    res, y = or_scratch(out, [x.shape, x.shape], x.dtype)
+    np.add(residual, x, out=res)
+    normalize(res, rstd, weight, out=y)
 
 
 def _fused_apply_saved_infer(ctx: InferContext) -> list[TensorType]:
@@ -243,34 +317,40 @@ def _ln_samples(rng: np.random.Generator) -> Iterator[Sample]:
 OPS = [
     OpDef(
         "rmsnorm", ("x", "weight"), ("y", "rstd"), _rmsnorm, _rmsnorm_infer, backward=_rmsnorm_backward,
-        attrs=_EPS_RMS, samples=_rms_samples, cost=_rms_cost,
+        attrs=_EPS_RMS, samples=_rms_samples, cost=_rms_cost, out_kernel=_rmsnorm_out,
         doc="rstd = 1/sqrt(mean(x^2, last dim) + eps); y = x * rstd * weight.",
     ),
     OpDef(
         "rmsnorm_backward", ("d_y?", "x", "rstd", "weight", "d_rstd?"), ("d_x", "d_weight"),
         _rmsnorm_bwd_kernel, _rmsnorm_bwd_infer, cost=lambda s, a: _rms_cost(s[1:], a),
+        out_kernel=_rmsnorm_bwd_out, samples=_rms_bwd_samples,
         doc="Gradients of rmsnorm from d_y and (optionally) d_rstd; d_weight sums over all leading dims.",
     ),
     OpDef(
         "fused_residual_rmsnorm", ("residual", "x", "weight"), ("residual_out", "y", "rstd"), _fused,
         _fused_infer, backward=_fused_backward, attrs=_EPS_RMS, samples=_fused_samples, cost=_rms_cost,
+        out_kernel=_fused_out, inplace={0, 1},
         doc="residual_out = residual + x; (y, rstd) = rmsnorm(residual_out, weight).",
     ),
     OpDef(
         "fused_residual_rmsnorm_backward",
         ("d_y?", "d_residual_out?", "residual_out", "rstd", "weight", "d_rstd?"),
         ("d_residual", "d_x", "d_weight"), _fused_bwd_kernel, _fused_bwd_infer,
-        cost=lambda s, a: _rms_cost(s[2:], a),
+        cost=lambda s, a: _rms_cost(s[2:], a), out_kernel=_fused_bwd_out, samples=_fused_bwd_samples,
         doc="Gradients of fused_residual_rmsnorm; d_residual and d_x are equal (both = d_residual_out + "
             "the norm's d_input).",
     ),
     OpDef(
         "rmsnorm_apply_saved", ("x", "rstd", "weight"), ("y",), _rms_apply_saved, _rms_apply_saved_infer,
-        cost=_rms_cost, doc="y = x * rstd * weight with a saved rstd (recompute; bitwise equal to rmsnorm).",
+        cost=_rms_cost, out_kernel=_rms_apply_saved_out, inplace={0},
+        samples=lambda rng: [Sample((randn(rng, 2, 3, 5), rng.random((2, 3)) + 0.5, randn(rng, 5)))],
+        doc="y = x * rstd * weight with a saved rstd (recompute; bitwise equal to rmsnorm).",
     ),
     OpDef(
         "fused_residual_rmsnorm_apply_saved", ("residual", "x", "rstd", "weight"), ("residual_out", "y"),
-        _fused_apply_saved, _fused_apply_saved_infer, cost=_rms_cost,
+        _fused_apply_saved, _fused_apply_saved_infer, cost=_rms_cost, out_kernel=_fused_apply_saved_out,
+        inplace={0, 1}, samples=lambda rng: [Sample((randn(rng, 2, 3, 5), randn(rng, 2, 3, 5),
+                                                     rng.random((2, 3)) + 0.5, randn(rng, 5)))],
         doc="fused_residual_rmsnorm with a saved rstd (recompute; bitwise equal outputs).",
     ),
     OpDef(

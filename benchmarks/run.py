@@ -1,0 +1,198 @@
+"""kiln's NumPy backend against HF transformers: one full training step, side by side.
+
+    python benchmarks/run.py [--quick] [--configs tiny,small] [--json results.json]
+
+(``nox -s bench`` installs torch, transformers and the kiln packages and runs this.) For each config
+it starts one process per side (``sides.py``), warms both up, then times training steps
+interleaved, kiln then transformers, round after round. It prints the median kiln/transformers
+step-time ratio over the rounds, each side's median step time, its achieved model GFLOP/s as a
+fraction of the machine's float32 matmul rate (the best of a large NumPy and a large torch matmul,
+each measured in a fresh process before and after the timed rounds), and each process's peak
+resident memory. Figures are ratios measured side by side; an absolute time alone says nothing
+about another machine. Other work on the machine skews both sides (and their ratio): the share of
+the machine's CPU time that other processes used during the timed rounds is printed, so that a
+disturbed run shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sides import CONFIGS, MATMUL_N, training_flops
+
+SIDES = ("kiln", "hf")
+NAMES = {"kiln": "kiln (numpy)", "hf": "transformers (torch, sdpa)"}
+LIBRARIES = {"kiln": "numpy", "hf": "torch"}
+#: (warm-up steps, timed rounds) per config, and with --quick
+ROUNDS = {"tiny": (2, 9), "small": (2, 7)}
+QUICK_ROUNDS = {"tiny": (1, 3), "small": (1, 3)}
+
+
+def matmul_rate(library: str) -> float:
+    """The float32 matmul rate of ``library`` (numpy or torch), measured in a process of its own."""
+    found = subprocess.run([sys.executable, str(Path(__file__).parent / "sides.py"), "matmul", library],
+                           check=True, capture_output=True, text=True).stdout
+    return float(found.split()[-1])
+
+
+class Side:
+    """A running ``sides.py`` process: one request, one JSON answer."""
+
+    def __init__(self, side: str, config: str) -> None:
+        self.side = side
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "sides.py"), side, config],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ask("")  # the "ready" line
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if command:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise SystemExit(f"the {self.side} process ended (exit code {code}); see its stderr above")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _cpu_ticks(pids: list[int]) -> tuple[int, int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, and the CPU ticks the processes ``pids`` used."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    own = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        own += int(fields[11]) + int(fields[12])  # utime, stime
+    return sum(ticks) - idle, sum(ticks), own
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
+                                      "OMP_NUM_THREADS") if k in os.environ}
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "env": env,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
+    sides = {s: Side(s, config) for s in SIDES}
+    try:
+        for _ in range(warmup):
+            for s in SIDES:
+                sides[s].ask("step")
+        rates = {lib: [matmul_rate(lib)] for lib in LIBRARIES.values()}
+        times: dict[str, list[float]] = {s: [] for s in SIDES}
+        before = _cpu_ticks([side.proc.pid for side in sides.values()])
+        for _ in range(rounds):
+            for s in SIDES:
+                times[s].append(sides[s].ask("step")["seconds"])
+        after = _cpu_ticks([side.proc.pid for side in sides.values()])
+        memory = {s: sides[s].ask("memory") for s in SIDES}
+        for lib, found in rates.items():
+            found.append(matmul_rate(lib))
+        info = {s: sides[s].ask("info") for s in SIDES}
+    finally:
+        for side in sides.values():
+            side.close()
+    flops = training_flops(CONFIGS[config])
+    best = {lib: max(found) for lib, found in rates.items()}
+    peak_rate = max(best.values())
+    result: dict[str, Any] = {
+        "config": config, "shape": CONFIGS[config], "rounds": rounds, "warmup": warmup,
+        "foreign_cpu": ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1),
+        "model_gflop_per_step": flops / 1e9, "matmul_gflops": best, "machine_gflops": peak_rate,
+        "ratio": statistics.median(k / h for k, h in zip(times["kiln"], times["hf"], strict=True)),
+        "info": info, "sides": {},
+    }
+    for s in SIDES:
+        median = statistics.median(times[s])
+        result["sides"][s] = {
+            "median_seconds": median, "seconds": times[s], "gflops": flops / median / 1e9,
+            "fraction_of_machine": flops / median / 1e9 / peak_rate, **memory[s],
+        }
+    return result
+
+
+def report(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
+    mib = 2**20
+    lines = [f"machine: {where['cpu']}, {where['cores']} cores, Python {where['python']}, {where['date']}",
+             f"BLAS env: {where['env'] or 'none of OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE/OMP_NUM_THREADS set'}"]
+    if results:
+        info = results[0]["info"]
+        for s in SIDES:
+            libs = ", ".join(f"{b['internal_api']} {b['version']} {b.get('architecture') or ''} "
+                             f"({b['num_threads']} threads)".replace("  ", " ")
+                             for b in info[s]["blas"])
+            versions = ", ".join(f"{k} {v}" for k, v in info[s].items() if isinstance(v, str))
+            lines.append(f"{NAMES[s]}: {versions}; threadpools: {libs}")
+        if info["hf"].get("torch_blas"):
+            lines.append("torch build: " + "; ".join(info["hf"]["torch_blas"]))
+    for r in results:
+        c = r["shape"]
+        lines += [
+            "",
+            f"== {r['config']}: hidden {c['hidden']}, layers {c['layers']}, "
+            f"heads {c['heads']}/{c['kv_heads']}, head_dim {c['head_dim']}, "
+            f"intermediate {c['intermediate']}, vocab {c['vocab']}, "
+            f"batch {c['batch']} x seq {c['seq']}",
+            f"   {r['model_gflop_per_step']:.1f} model GFLOP per step; float32 matmul {MATMUL_N}^3: numpy "
+            f"{r['matmul_gflops']['numpy']:.1f} GFLOP/s, torch {r['matmul_gflops']['torch']:.1f} GFLOP/s; "
+            f"{r['warmup']} warm-up + {r['rounds']} interleaved rounds; other processes used "
+            f"{r['foreign_cpu']:.0%} of the CPU time meanwhile",
+            f"   kiln / transformers step time: {r['ratio']:.2f} (median of per-round ratios)",
+        ]
+        for s in SIDES:
+            d = r["sides"][s]
+            lines.append(
+                f"   {NAMES[s]:<27} median {d['median_seconds']:6.3f} s  {d['gflops']:6.1f} GFLOP/s = "
+                f"{d['fraction_of_machine']:5.1%} of matmul peak  peak RSS {d['peak_rss'] / mib:7.0f} MiB "
+                f"({(d['peak_rss'] - d['import_rss']) / mib:.0f} MiB above the imports)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer warm-up steps and rounds")
+    parser.add_argument("--configs", default="tiny,small", help="comma-separated: " + ", ".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, help="timed rounds per config (default: per config)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    results = []
+    for config in args.configs.split(","):
+        warmup, rounds = (QUICK_ROUNDS if args.quick else ROUNDS)[config]
+        results.append(bench(config, warmup, args.rounds or rounds))
+        print(f"{config}: done", file=sys.stderr, flush=True)
+    where = machine()
+    print(report(results, where))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": where, "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
