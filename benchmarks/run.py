@@ -1,6 +1,6 @@
 """kiln's NumPy backend against HF transformers: one full training step, side by side.
 
-    python benchmarks/run.py [--quick] [--configs tiny,small] [--json results.json]
+    python benchmarks/run.py [--quick] [--configs tiny,small] [--recompute tiny] [--json results.json]
 
 (``nox -s bench`` installs torch, transformers and the kiln packages and runs this.) For each config
 it starts one process per side (``sides.py``), warms both up, then times training steps
@@ -12,6 +12,12 @@ resident memory. Figures are ratios measured side by side; an absolute time alon
 about another machine. Other work on the machine skews both sides (and their ratio): the share of
 the machine's CPU time that other processes used during the timed rounds is printed, so that a
 disturbed run shows.
+
+Then, on the ``--recompute`` config (tiny by default; ``--recompute ''`` skips it), it runs kiln
+without recompute, with ``recompute="auto"`` (its default budget, half the activation peak) and
+with ``recompute="block"``, interleaved in the same way, and prints each mode's step-time overhead
+over no recompute (median of per-round ratios) with its planned saved activations and activation
+peak (saved + transient) as a share of no recompute's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ def matmul_rate(library: str) -> float:
     found = subprocess.run([sys.executable, str(Path(__file__).parent / "sides.py"), "matmul", library],
                            check=True, capture_output=True, text=True).stdout
     return float(found.split()[-1])
+
+
+RECOMPUTE = ("kiln:none", "kiln:auto", "kiln:block")
+#: the step-time overhead over no recompute each mode should stay within (issue [recompute], acc. 4)
+OVERHEAD_TARGET = {"kiln:auto": 0.10, "kiln:block": 0.35}
 
 
 class Side:
@@ -138,6 +149,56 @@ def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
+    """kiln's step time and planned activations per recompute mode, interleaved."""
+    sides = {s: Side(s, config) for s in RECOMPUTE}
+    try:
+        for _ in range(warmup):
+            for s in RECOMPUTE:
+                sides[s].ask("step")
+        times: dict[str, list[float]] = {s: [] for s in RECOMPUTE}
+        before = _cpu_ticks([side.proc.pid for side in sides.values()])
+        for _ in range(rounds):
+            for s in RECOMPUTE:
+                times[s].append(sides[s].ask("step")["seconds"])
+        after = _cpu_ticks([side.proc.pid for side in sides.values()])
+        planned = {s: sides[s].ask("memory")["planned"] for s in RECOMPUTE}
+    finally:
+        for side in sides.values():
+            side.close()
+    base = planned["kiln:none"]
+
+    def activations(p: dict[str, int]) -> int:
+        return p["saved_activations"] + p["transient"]
+
+    modes = {}
+    for s in RECOMPUTE:
+        modes[s] = {
+            "median_seconds": statistics.median(times[s]), "seconds": times[s],
+            "overhead": statistics.median(t / n for t, n in zip(times[s], times["kiln:none"],
+                                                                strict=True)) - 1,
+            "saved_share": planned[s]["saved_activations"] / base["saved_activations"],
+            "activation_share": activations(planned[s]) / activations(base), "planned": planned[s],
+        }
+    return {"config": config, "rounds": rounds, "warmup": warmup, "modes": modes,
+            "foreign_cpu": ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1)}
+
+
+def report_recompute(r: dict[str, Any]) -> list[str]:
+    mib = 2**20
+    lines = ["", f"== recompute on {r['config']}: {r['warmup']} warm-up + {r['rounds']} interleaved rounds; "
+                 f"other processes used {r['foreign_cpu']:.0%} of the CPU time meanwhile"]
+    for s, d in r["modes"].items():
+        target = OVERHEAD_TARGET.get(s)
+        lines.append(
+            f"   {s.split(':')[1]:<6} step {d['median_seconds']:6.3f} s, overhead {d['overhead']:+6.1%}"
+            f"{f' (target <= {target:.0%})' if target is not None else '                 '}   saved "
+            f"{d['planned']['saved_activations'] / mib:6.1f} MiB ({d['saved_share']:6.1%})   activation peak "
+            f"{(d['planned']['saved_activations'] + d['planned']['transient']) / mib:6.1f} MiB "
+            f"({d['activation_share']:6.1%})")
+    return lines
+
+
 def report(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
     mib = 2**20
     lines = [f"machine: {where['cpu']}, {where['cores']} cores, Python {where['python']}, {where['date']}",
@@ -181,17 +242,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer warm-up steps and rounds")
     parser.add_argument("--configs", default="tiny,small", help="comma-separated: " + ", ".join(CONFIGS))
     parser.add_argument("--rounds", type=int, help="timed rounds per config (default: per config)")
+    parser.add_argument("--recompute", default="tiny",
+                        help="config for the recompute modes' overhead ('' to skip)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     results = []
-    for config in args.configs.split(","):
+    for config in filter(None, args.configs.split(",")):
         warmup, rounds = (QUICK_ROUNDS if args.quick else ROUNDS)[config]
         results.append(bench(config, warmup, args.rounds or rounds))
         print(f"{config}: done", file=sys.stderr, flush=True)
+    recompute = None
+    if args.recompute:
+        warmup, rounds = (QUICK_ROUNDS if args.quick else ROUNDS)[args.recompute]
+        recompute = bench_recompute(args.recompute, warmup, args.rounds or rounds)
+        print(f"recompute on {args.recompute}: done", file=sys.stderr, flush=True)
     where = machine()
     print(report(results, where))
+    if recompute is not None:
+        print("\n".join(report_recompute(recompute)))
     if args.json:
-        args.json.write_text(json.dumps({"machine": where, "results": results}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"machine": where, "results": results, "recompute": recompute},
+                                        indent=1) + "\n")
 
 
 if __name__ == "__main__":

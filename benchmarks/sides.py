@@ -1,11 +1,13 @@
 """One side of the benchmark in its own process: kiln's NumPy backend or HF transformers.
 
 ``python benchmarks/sides.py kiln|hf CONFIG`` builds that side's model and batch, then answers one
-JSON line per command read from stdin:
+JSON line per command read from stdin (``kiln:block``, ``kiln:auto`` and ``kiln:dsl`` build kiln's
+model with that recompute mode, ``auto`` at its default budget):
 
 * ``step``: one full training step (forward, backward, AdamW), ``{"seconds": ...}``;
 * ``memory``: ``{"peak_rss": ..., "import_rss": ...}`` in bytes (the process's high-water mark, and
-  its resident size after the imports, before the model was built);
+  its resident size after the imports, before the model was built); a kiln side adds its planned
+  ``memory_report()`` under ``planned``;
 * ``info``: library versions and the BLAS each library runs (threadpoolctl, torch's build config);
 * ``quit``.
 
@@ -90,7 +92,8 @@ def _blas() -> list[dict[str, Any]]:
 # --- kiln ------------------------------------------------------------------------------------------
 
 
-def kiln_side(c: dict[str, int]) -> tuple[Callable[[], None], Callable[[], float], dict[str, Any]]:
+def kiln_side(c: dict[str, int], recompute: str = "none") -> tuple[Callable[[], None], dict[str, Any],
+                                                                   Callable[[], dict[str, int]]]:
     import numpy as np
 
     import kiln.core
@@ -105,7 +108,8 @@ def kiln_side(c: dict[str, int]) -> tuple[Callable[[], None], Callable[[], float
         "max_seq": c["seq"], "head_size": c["head_dim"], "rope_theta": ROPE_THETA,
         "tie_word_embeddings": False,
     })
-    model = Model.from_ir(bundle, seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM))
+    model = Model.from_ir(bundle, seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM),
+                          recompute=recompute)
     ids = _batch(c)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
@@ -114,13 +118,16 @@ def kiln_side(c: dict[str, int]) -> tuple[Callable[[], None], Callable[[], float
     def step() -> None:
         model.train_step(batch)
 
-    return step, info
+    def planned() -> dict[str, int]:
+        return {k: v for k, v in model.memory_report().items() if isinstance(v, int)}
+
+    return step, info, planned
 
 
 # --- transformers ----------------------------------------------------------------------------------
 
 
-def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], Callable[[], float], dict[str, Any]]:
+def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], dict[str, Any], None]:
     import torch
     import transformers
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -149,7 +156,7 @@ def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], Callable[[], float],
     wanted = re.findall(r"BLAS_INFO=\w+|Math Kernel Library Version [\w.]+|CPU capability usage: \w+", build)
     info = {"torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "blas": _blas(), "torch_blas": wanted}
-    return step, info
+    return step, info, None
 
 
 def matmul_rate(library: str) -> float:
@@ -173,10 +180,14 @@ def main(side: str, config: str) -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    for name in IMPORTS[side]:  # imported first, so that import_rss is the libraries' own footprint
+    library, _, recompute = side.partition(":")
+    for name in IMPORTS[library]:  # imported first, so that import_rss is the libraries' own footprint
         importlib.import_module(name)
     import_rss = _rss()
-    step, info = {"kiln": kiln_side, "hf": hf_side}[side](CONFIGS[config])
+    if library == "kiln":
+        step, info, planned = kiln_side(CONFIGS[config], recompute or "none")
+    else:
+        step, info, planned = hf_side(CONFIGS[config])
 
     def reply(value: dict[str, Any]) -> None:
         answers.write(json.dumps(value) + "\n")
@@ -191,7 +202,7 @@ def main(side: str, config: str) -> None:
             reply({"seconds": time.perf_counter() - t})
         elif command == "memory":
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-            reply({"peak_rss": peak, "import_rss": import_rss})
+            reply({"peak_rss": peak, "import_rss": import_rss, **({"planned": planned()} if planned else {})})
         elif command == "info":
             reply(info)
         elif command == "quit":

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from kiln.core._errors import KilnError
+from kiln.core._oplib._loss import fused_lm_head_loss_and_grad
 from kiln.core._ops import OpDef, OpRegistry
 from kiln.core._optim import AdamW, adamw_update, global_norm
-from kiln.core._program import Program, Step
+from kiln.core._program import SEED, Program, Step
+from kiln.core._threads import blas_held_to_one_thread
 
 Arrays = Sequence[np.ndarray | None]
 
@@ -57,6 +59,8 @@ class Executable:
             fn = self._closure(step)
             if fn is not None:
                 self.runs.setdefault(step.phase, []).append(fn)
+        #: forward + backward with the LM head's two steps run as one (see :meth:`_fused_head`)
+        self.train_runs = self._fused_head()
 
     def run(self, phases: Iterable[str] = ("forward", "backward", "optimizer"), *, opt: AdamW | None = None,
             step: int = 1) -> dict[str, float]:
@@ -64,10 +68,56 @@ class Executable:
         if opt is not None:
             self.opt = opt
         self.hyper["step"] = step
-        for phase in phases:
-            for fn in self.runs.get(phase, ()):
-                fn()
+        phases = list(phases)
+        with blas_held_to_one_thread():  # kernels cut their work over kiln's threads instead
+            if self.train_runs is not None and phases[:2] == ["forward", "backward"]:
+                for fn in self.train_runs:
+                    fn()
+                phases = phases[2:]
+            for phase in phases:
+                for fn in self.runs.get(phase, ()):
+                    fn()
         return {k: float(self.hyper[k]) for k in ("grad_norm", "lr", "scale")}
+
+    def _fused_head(self) -> list[Callable[[], None]] | None:
+        """The forward and backward closures with the LM-head loss and its backward fused, or None.
+
+        The forward's last step is the LM-head loss and the backward's first is its backward, seeded
+        by the Program input ``d_loss`` (set before the forward runs): one pass can compute the loss and
+        the gradients (:func:`~kiln.core._oplib._loss.fused_lm_head_loss_and_grad`) without the
+        backward's recompute of the logits. Only when the gradient slots overlap none of the forward
+        step's tensors; runs of the forward alone keep the plain step.
+        """
+        steps = {ph: [s for s in self.program.steps if s.phase == ph and s.how != "alias"]
+                 for ph in ("forward", "backward")}
+        if not steps["forward"] or not steps["backward"]:
+            return None
+        fwd, bwd = steps["forward"][-1], steps["backward"][0]
+        keys = ("ignore_index", "chunk_size", "softcap")
+        same_attrs = {k: fwd.attrs.get(k) for k in keys} == {k: bwd.attrs.get(k) for k in keys}
+        if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
+                or fwd.how != "out" or bwd.how != "out" or not same_attrs \
+                or fwd.attrs.get("softcap") is not None or bwd.inputs[0] != SEED \
+                or tuple(bwd.inputs[1:4]) != tuple(fwd.inputs) or bwd.inputs[4] != fwd.outputs[1] \
+                or bwd.inputs[5] or not all(fwd.outputs):
+            return None
+        read = self._ranges([*fwd.inputs, *fwd.outputs, SEED])
+        if any(a < d and c < b for a, b in self._ranges(bwd.outputs) for c, d in read):
+            return None
+        v = self.views
+        d_loss, x, weight, targets = (v[k] for k in bwd.inputs[:4])
+        loss, lse = (v[k] for k in fwd.outputs)
+        d_x, d_w = (v[k] if k else None for k in bwd.outputs)
+        ignore = int(fwd.attrs.get("ignore_index", -100))
+
+        def head() -> None:
+            fused_lm_head_loss_and_grad(d_loss, x, weight, targets, loss=loss, lse=lse, d_x=d_x, d_weight=d_w,
+                                        ignore_index=ignore)
+
+        fused = [self._closure(s) for s in self.program.steps if s.phase == "forward" and s is not fwd]
+        fused.append(head)
+        fused += [self._closure(s) for s in self.program.steps if s.phase == "backward" and s is not bwd]
+        return [fn for fn in fused if fn is not None]
 
     # -- closures
 

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from kiln.core._errors import KilnError
+from kiln.core._threads import flat_blocks, parallel
 
 
 def _positive(_: object, a: attrs.Attribute[float], value: float) -> None:
@@ -77,22 +78,33 @@ def global_norm(grads: list[np.ndarray]) -> float:
 
 def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, work: np.ndarray, *, opt: AdamW,
                  step: int, lr: float, scale: float) -> None:
-    """One in-place AdamW update of ``p`` from gradient ``scale * g``; ``work`` is scratch of p's size."""
+    """One in-place AdamW update of ``p`` from gradient ``scale * g``; ``work`` is scratch of p's size.
+    Blocks of the flattened arrays run on the NumPy backend's threads."""
     b1, b2 = opt.beta1, opt.beta2
-    w = work[: p.size].reshape(p.shape)
-    np.multiply(g, scale * (1 - b1), out=w)  # m = b1 m + (1 - b1) g
-    m *= b1
-    m += w
-    np.multiply(g, g, out=w)  # v = b2 v + (1 - b2) g^2
-    w *= (1 - b2) * scale * scale
-    v *= b2
-    v += w
     bc1, bc2 = 1 - b1**step, 1 - b2**step
-    np.sqrt(v, out=w)  # update = lr * (m / bc1) / (sqrt(v / bc2) + eps)
-    w *= 1 / math.sqrt(bc2)
-    w += opt.eps
-    np.divide(m, w, out=w)
-    w *= lr / bc1
-    if opt.weight_decay and (opt.decay_all or p.ndim >= 2):
-        p *= 1 - lr * opt.weight_decay  # decoupled: the decay does not go through the moments
-    p -= w
+    decay = 1 - lr * opt.weight_decay if opt.weight_decay and (opt.decay_all or p.ndim >= 2) else None
+    flat = [a.reshape(-1) for a in (p, g, m, v)]
+    if any(not np.may_share_memory(f, a) for f, a in zip(flat, (p, g, m, v), strict=True) if a.size):
+        raise KilnError("adamw_update needs contiguous parameter, gradient and moment arrays")
+    pf, gf, mf, vf = flat
+    wf = work.reshape(-1)[: p.size]
+
+    def block(r: slice) -> None:
+        p, g, m, v, w = pf[r], gf[r], mf[r], vf[r], wf[r]
+        np.multiply(g, scale * (1 - b1), out=w)  # m = b1 m + (1 - b1) g
+        m *= b1
+        m += w
+        np.multiply(g, g, out=w)  # v = b2 v + (1 - b2) g^2
+        w *= (1 - b2) * scale * scale
+        v *= b2
+        v += w
+        np.sqrt(v, out=w)  # update = lr * (m / bc1) / (sqrt(v / bc2) + eps)
+        w *= 1 / math.sqrt(bc2)
+        w += opt.eps
+        np.divide(m, w, out=w)
+        w *= lr / bc1
+        if decay is not None:
+            p *= decay  # decoupled: the decay does not go through the moments
+        p -= w
+
+    parallel(block, flat_blocks(p.size))

@@ -33,8 +33,9 @@ from kiln.core._dims import Const, DimExpr, parse_dim, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
 from kiln.core._oplib._common import Outs, allocating, check_same, or_scratch, randn, view
-from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad_into
+from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad_rows
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._threads import chunks, parallel, row_blocks
 
 _ROPE_ATTRS = (
     AttrSpec("rotary_dim", "dim", None),
@@ -182,6 +183,15 @@ def _split_qkv(qkv: np.ndarray, hq: int, hkv: int, d: int, op: str) -> tuple[np.
             qkv[..., (hq + hkv) * d:].reshape(b, t, hkv, d))
 
 
+def _qkv_pieces(b: int, t: int, f: int) -> list[tuple[int, slice]]:
+    """(sequence, positions) pieces of a packed qkv for the backend's threads: shapes decide the cut."""
+    return [(i, r) for i in range(b) for r in row_blocks(t, f)]
+
+
+def _positions(position_ids: np.ndarray, i: int, r: slice) -> np.ndarray:
+    return position_ids[r] if position_ids.ndim == 1 else position_ids[i, r]
+
+
 def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
              freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int,
              eps: float, theta: float, rotary_dim: int | None) -> None:
@@ -190,15 +200,23 @@ def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: n
     qkv_out, q_rstd, k_rstd = or_scratch(out, [qkv.shape, (b, t, Hq), (b, t, Hkv)], qkv.dtype)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
     oq, ok, ov = _split_qkv(qkv_out, Hq, Hkv, D, op)
-    cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
-    for x, w, o, rstd in ((q, q_norm_weight, oq, q_rstd), (k, k_norm_weight, ok, k_rstd)):
-        if w is None:
-            rstd[...] = 1
-            rope_into(x, cos, sin, o)
-        else:
-            rstd[...] = rms_rstd(x, eps)
-            rope_into(normalize(x, rstd, w, out=o), cos, sin, o)
-    ov[...] = v
+    rd = _rotary_dim(rotary_dim, D, op)
+    rope_tables(freqs, position_ids, rd, theta, qkv.dtype, op)  # checks the positions once
+
+    def piece(p: tuple[int, slice]) -> None:
+        i, r = p
+        cos, sin = rope_tables(freqs, _positions(position_ids, i, r), rd, theta, qkv.dtype, op)
+        for x, w, o, rstd in ((q, q_norm_weight, oq, q_rstd), (k, k_norm_weight, ok, k_rstd)):
+            x, o, rstd = x[i, r], o[i, r], rstd[i, r]
+            if w is None:
+                rstd[...] = 1
+                rope_into(x, cos, sin, o)
+            else:
+                rstd[...] = rms_rstd(x, eps)
+                rope_into(normalize(x, rstd, w, out=o), cos, sin, o)
+        ov[i, r] = v[i, r]
+
+    parallel(piece, _qkv_pieces(b, t, qkv.shape[2]))
 
 
 def _qkv_norm_rope(qkv: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
@@ -236,18 +254,31 @@ def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: n
                  eps: float, theta: float, rotary_dim: int | None) -> None:
     op = "qkv_qk_norm_rope_backward"
     d_qkv, d_qw, d_kw = or_scratch(out, [qkv.shape, (D,), (D,)], qkv.dtype)
+    b, t = qkv.shape[:2]
     q, k, _ = _split_qkv(qkv, Hq, Hkv, D, op)
     d_q, d_k, d_v = _split_qkv(np.zeros_like(qkv) if d_qkv_out is None else d_qkv_out, Hq, Hkv, D, op)
     g_q, g_k, g_v = _split_qkv(d_qkv, Hq, Hkv, D, op)
-    cos, sin = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
-    for x, dy, w, rstd, d_rstd, g, d_w in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, d_qw),
-                                           (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, d_kw)):
-        rope_into(dy, cos, sin, g, inverse=True)
-        if w is None:  # no norm: the rstd output is constant ones
-            d_w[...] = 0
-        else:
-            rmsnorm_grad_into(g, x, rstd, w, d_rstd, g, d_w)
-    g_v[...] = d_v
+    rd = _rotary_dim(rotary_dim, D, op)
+    rope_tables(freqs, position_ids, rd, theta, qkv.dtype, op)  # checks the positions once
+    pieces = _qkv_pieces(b, t, qkv.shape[2])
+    parts = np.empty((len(pieces), 2, D), qkv.dtype)  # each piece's share of the two norm weights' grads
+
+    def piece(n: int) -> None:
+        i, r = pieces[n]
+        cos, sin = rope_tables(freqs, _positions(position_ids, i, r), rd, theta, qkv.dtype, op)
+        for x, dy, w, rstd, d_rstd, g, d_w in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, parts[n, 0]),
+                                               (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, parts[n, 1])):
+            g = g[i, r]
+            rope_into(dy[i, r], cos, sin, g, inverse=True)
+            if w is None:  # no norm: the rstd output is constant ones
+                d_w[...] = 0
+            else:
+                rmsnorm_grad_rows(g, x[i, r], rstd[i, r], w, None if d_rstd is None else d_rstd[i, r], g, d_w)
+        g_v[i, r] = d_v[i, r]
+
+    parallel(piece, range(len(pieces)))
+    total = parts.sum(axis=0) if len(pieces) else np.zeros((2, D), qkv.dtype)
+    d_qw[...], d_kw[...] = total[0], total[1]
 
 
 def _qkv_bwd_kernel(d_qkv_out: np.ndarray | None, qkv: np.ndarray, *inputs: np.ndarray | None,
@@ -317,12 +348,19 @@ def _group(hq: int, hkv: int, op: str) -> int:
 
 
 # The kernels below work on blocks of (query rows x keys), flash-attention style: a kv head's query
-# heads are stacked ([rep * rows, D]) so that one product serves the group, and each product is
-# small (rows x keys x D <= 2**19 multiply-adds), so that OpenBLAS runs it in the calling thread:
-# handing products this small to its threads costs more than it saves, and on a busy machine
-# (threads waiting for a core) each hand-off can cost milliseconds.
-BLOCK_MACS = 1 << 19
-QUERY_ROWS = 128  # stacked query rows (rep * rows) per block
+# heads are stacked ([rep * rows, D]) so that one product serves the group, and temporaries are
+# bounded by the block. Batches (or, for a single sequence, kv heads) run on the backend's threads
+# (kiln.core._threads), each piece's products in BLAS's single-threaded path.
+BLOCK_MACS = 1 << 21
+QUERY_ROWS = 256  # stacked query rows (rep * rows) per block
+
+
+def _pieces(b: int, hkv: int) -> list[tuple[slice, slice]]:
+    """Independent pieces of an attention: (batch range, kv head range), about four of them. The cut
+    depends on the shapes only."""
+    if b > 1:
+        return [(slice(lo, hi), slice(0, hkv)) for lo, hi in chunks(b, max(1, b // 4))]
+    return [(slice(0, b), slice(lo, hi)) for lo, hi in chunks(hkv, max(1, hkv // 4))]
 
 
 def _blocks(keep: np.ndarray, rep: int, d: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
@@ -366,6 +404,19 @@ def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
                   softmax_scale: float | None, window_size: int | None, op: str) -> None:
     """Attention of ``q: [B, Tq, Hq, D]`` over ``k, v: [B, Tk, Hkv, D]`` (any strides) into ``out``
     (``q``'s shape) and ``lse: [B, Hq, Tq]``, with an online softmax over key blocks."""
+    rep = _group(q.shape[2], k.shape[2], op)
+
+    def piece(p: tuple[slice, slice]) -> None:
+        bs, hs = p
+        qs = slice(hs.start * rep, hs.stop * rep)
+        _attn_forward_piece(q[bs, :, qs], k[bs, :, hs], v[bs, :, hs], out[bs, :, qs], lse[bs, qs], causal,
+                            softmax_scale, window_size, op)
+
+    parallel(piece, _pieces(q.shape[0], k.shape[2]))
+
+
+def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
+                        causal: bool, softmax_scale: float | None, window_size: int | None, op: str) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)
@@ -406,6 +457,23 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
                    causal: bool, softmax_scale: float | None, window_size: int | None, op: str) -> None:
     """Gradients of :func:`_attn_forward` into ``dq, dk, dv`` (shaped as q, k, v), from the saved lse:
     ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)``, block by block."""
+    rep = _group(q.shape[2], k.shape[2], op)
+
+    def piece(p: tuple[slice, slice]) -> None:
+        bs, hs = p
+        qs = slice(hs.start * rep, hs.stop * rep)
+        _attn_backward_piece(None if d_out is None else d_out[bs, :, qs], q[bs, :, qs], k[bs, :, hs],
+                             v[bs, :, hs], out[bs, :, qs], lse[bs, qs],
+                             None if d_lse is None else d_lse[bs, qs], dq[bs, :, qs], dk[bs, :, hs],
+                             dv[bs, :, hs], causal, softmax_scale, window_size, op)
+
+    parallel(piece, _pieces(q.shape[0], k.shape[2]))
+
+
+def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                         out: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray,
+                         dk: np.ndarray, dv: np.ndarray, causal: bool, softmax_scale: float | None,
+                         window_size: int | None, op: str) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)

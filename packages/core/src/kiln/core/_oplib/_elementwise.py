@@ -13,6 +13,7 @@ from kiln.core._dims import Const, Shape, dims_equal, parse_dim, parse_shape, si
 from kiln.core._ir import TensorType
 from kiln.core._oplib._common import check_same, randn, same_as
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample, no_gradient
+from kiln.core._threads import parallel, row_blocks
 
 Array = npt.NDArray[np.floating[Any]]
 UInt = npt.NDArray[np.uint64]
@@ -189,9 +190,9 @@ def _scale_backward(ctx: BackwardContext) -> Grads:
 # Activations
 
 
-# The elementwise chains below run over blocks of rows: their temporaries stay in cache, and an output
-# may take over an input's storage (a block is read completely before it is written).
-_BLOCK = 1 << 16
+# The elementwise chains below run over blocks of rows, on the backend's threads: their temporaries
+# stay in cache, and an output may take over an input's storage (a block is read completely before
+# it is written).
 
 
 def _rows2d(a: Array) -> Array:
@@ -199,11 +200,8 @@ def _rows2d(a: Array) -> Array:
 
 
 def _over_blocks(a: Array, fn: Callable[[slice], None]) -> None:
-    """``fn(rows)`` over blocks of rows of the 2-D ``a``."""
-    rows, width = a.shape
-    step = max(1, _BLOCK // max(width, 1))
-    for r0 in range(0, rows, step):
-        fn(slice(r0, min(r0 + step, rows)))
+    """``fn(rows)`` over blocks of rows of the 2-D ``a``, on the backend's threads."""
+    parallel(fn, row_blocks(*a.shape))
 
 
 def _sigmoid_into(x: Array, out: Array) -> Array:

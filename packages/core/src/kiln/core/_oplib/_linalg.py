@@ -10,6 +10,7 @@ import numpy as np
 from kiln.core._ir import TensorType
 from kiln.core._oplib._common import check_same, randn
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._threads import matmul_into
 
 TRANSPOSES = ("NN", "NT", "TN", "TT")
 _MM_ATTRS = (
@@ -39,7 +40,7 @@ def _matmul_out(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, *, ou
     """``_matmul`` into a preallocated output: BLAS writes straight into it (transposed operands
     are passed as strided views, which BLAS reads without a copy)."""
     o = out[0]
-    np.matmul(_op(a, transpose[0]), _op(b, transpose[1]), out=o)
+    matmul_into(_op(a, transpose[0]), _op(b, transpose[1]), o)
     if alpha != 1.0:
         o *= alpha
     if c is not None:

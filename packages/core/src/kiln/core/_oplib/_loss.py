@@ -20,6 +20,7 @@ from kiln.core._oplib._common import (
     randn,
 )
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._threads import chunks, matmul_into, parallel, row_blocks, scratch
 
 
 def _check_ids(op: str, ids: np.ndarray, n: int, ignore: int | None = None) -> None:
@@ -192,14 +193,14 @@ def _cross_entropy_samples(rng: np.random.Generator) -> Iterator[Sample]:
 # --- fused_lm_head_loss --------------------------------------------------------------------------
 
 
-#: bound on the elements of one block of logits ([rows, vocabulary chunk]) the fused LM-head ops hold
-LOGITS_TILE = 1 << 22
+#: bound on the elements of one block of logits ([rows, vocabulary chunk]) a thread of the fused
+#: LM-head ops holds
+LOGITS_TILE = 1 << 21
 
 
-def _row_tiles(n: int, chunk: int) -> Iterator[slice]:
+def _row_tiles(n: int, chunk: int) -> list[slice]:
     rows = max(1, min(n, LOGITS_TILE // max(chunk, 1)))
-    for r0 in range(0, n, rows):
-        yield slice(r0, min(r0 + rows, n))
+    return [slice(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
 
 
 def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None, into: np.ndarray) -> np.ndarray:
@@ -213,20 +214,24 @@ def _chunk_logits(x: np.ndarray, w: np.ndarray, softcap: float | None, into: np.
 
 def _fused_lm_head_loss_out(x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *, out: Outs,
                             ignore_index: int, chunk_size: int, softcap: float | None) -> None:
+    """Tiles of rows run on the backend's threads, each over every vocabulary chunk in turn."""
     dtype = float_dtype_of(x, weight)
     x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
     n, v = x.shape[0], weight.shape[0]
     loss, lse = or_scratch(out, [(n,), (n,)], dtype)
     t = _targets(targets, v, ignore_index, "fused_lm_head_loss")
     chunk = min(chunk_size, v)
-    buf = np.empty(min(n, max(1, LOGITS_TILE // chunk)) * chunk, dtype)
-    for r in _row_tiles(n, chunk):
-        xr = x[r]
 
-        def logits(a: int, b: int, xr: np.ndarray = xr) -> np.ndarray:
+    def tile(r: slice) -> None:
+        xr = x[r]
+        buf = scratch("lm_head_logits", xr.shape[0] * chunk, dtype)
+
+        def logits(a: int, b: int) -> np.ndarray:
             return _chunk_logits(xr, weight[a:b], softcap, buf)
 
         loss[r], lse[r] = _streaming_loss(xr.shape[0], v, chunk, logits, t[r], dtype)
+
+    parallel(tile, _row_tiles(n, chunk))
 
 
 def _fused_lm_head_loss(x: np.ndarray, weight: np.ndarray, targets: np.ndarray,
@@ -239,6 +244,9 @@ def _fused_lm_head_loss_backward_out(d_loss: np.ndarray | None, x: np.ndarray, w
                                      targets: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, *,
                                      out: Outs, ignore_index: int, chunk_size: int,
                                      softcap: float | None) -> None:
+    """Tile of rows after tile of rows; within one, the vocabulary chunks run on the backend's threads:
+    each recomputes its logits, turns them into their gradient ``g``, adds ``g^T x`` to its own rows
+    of ``d_weight`` and leaves ``g w`` for ``d_x``, summed over the chunks in order afterwards."""
     dtype = float_dtype_of(x, weight)
     x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
     n, v = x.shape[0], weight.shape[0]
@@ -246,31 +254,101 @@ def _fused_lm_head_loss_backward_out(d_loss: np.ndarray | None, x: np.ndarray, w
     t = _targets(targets, v, ignore_index, "fused_lm_head_loss_backward")
     dl, dlse = _cotangents(d_loss, d_lse, t, dtype)
     chunk = min(chunk_size, v)
-    buf = np.empty(min(n, max(1, LOGITS_TILE // chunk)) * chunk, dtype)
-    dx_part = np.empty(x.shape, dtype) if dx is not None else None
-    dw_part = np.empty((chunk, x.shape[1]), dtype) if dw is not None else None
-    for i, r in enumerate(_row_tiles(n, chunk)):
-        for v0 in range(0, v, chunk):
+    starts = list(range(0, v, chunk))
+    tiles = _row_tiles(n, chunk)
+    parts = scratch("lm_head_dx", len(starts) * (tiles[0].stop - tiles[0].start) * x.shape[1], dtype)
+    for i, r in enumerate(tiles):
+        xr = x[r]
+        rows = xr.shape[0]
+        dx_parts = parts[: len(starts) * rows * x.shape[1]].reshape(len(starts), rows, x.shape[1])
+
+        def vocab_chunk(j: int, r: slice = r, xr: np.ndarray = xr, first: bool = i == 0,
+                        dx_parts: np.ndarray = dx_parts) -> None:
+            v0 = starts[j]
             w = weight[v0:v0 + chunk]
+            buf = scratch("lm_head_logits", xr.shape[0] * chunk, dtype)
             if softcap is None:
-                g = _logits_grad(_chunk_logits(x[r], w, None, buf), v0, lse[r], t[r], dl[r], dlse[r])
+                g = _logits_grad(_chunk_logits(xr, w, None, buf), v0, lse[r], t[r], dl[r], dlse[r])
             else:  # capped = softcap * tanh(raw / softcap), so d raw = d capped * (1 - tanh^2)
-                th = _chunk_logits(x[r], w, None, buf)
+                th = _chunk_logits(xr, w, None, buf)
                 th /= softcap
                 np.tanh(th, out=th)
                 g = _logits_grad(th * softcap, v0, lse[r], t[r], dl[r], dlse[r])
                 np.square(th, out=th)
                 g *= np.subtract(1, th, out=th)
-            if dx is not None and dx_part is not None:
-                if v0 == 0:
-                    np.matmul(g, w, out=dx[r])
+            if dx is not None:
+                np.matmul(g, w, out=dx_parts[j])
+            if dw is not None:
+                if first:
+                    np.matmul(g.T, xr, out=dw[v0:v0 + chunk])
                 else:
-                    dx[r] += np.matmul(g, w, out=dx_part[r])
-            if dw is not None and dw_part is not None:
-                if i == 0:
-                    np.matmul(g.T, x[r], out=dw[v0:v0 + chunk])
-                else:
-                    dw[v0:v0 + chunk] += np.matmul(g.T, x[r], out=dw_part[: w.shape[0]])
+                    part = scratch("lm_head_dw", w.shape[0] * x.shape[1], dtype)
+                    part = part.reshape(w.shape[0], x.shape[1])
+                    dw[v0:v0 + chunk] += np.matmul(g.T, xr, out=part)
+
+        parallel(vocab_chunk, range(len(starts)))
+        if dx is not None:
+            np.copyto(dx[r], dx_parts[0])
+            for j in range(1, len(starts)):
+                dx[r] += dx_parts[j]
+
+
+#: bound on the elements of the one block of logits (rows x the whole vocabulary) that
+#: :func:`fused_lm_head_loss_and_grad` holds
+FUSED_LOGITS_TILE = 1 << 22
+
+
+def fused_lm_head_loss_and_grad(d_loss: np.ndarray, x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *,
+                                loss: np.ndarray, lse: np.ndarray, d_x: np.ndarray | None,
+                                d_weight: np.ndarray | None, ignore_index: int) -> None:
+    """``fused_lm_head_loss`` and its backward (for ``d_loss``, no ``d_lse``) in one pass.
+
+    A training step knows its loss cotangent before the forward runs (the mean's ``mask / count``),
+    so the NumPy backend runs the LM head's forward and backward together: each tile of rows
+    computes its logits over the whole vocabulary once, their log-sum-exp and loss, turns them into
+    their gradient in place, and writes its rows of ``d_x`` and its share of ``d_weight``. Three
+    products over the logits instead of the four of a backward that recomputes them. Tiles run one
+    after another; the products and row blocks inside a tile run on the backend's threads.
+    """
+    dtype = float_dtype_of(x, weight)
+    n, v = x.shape[0], weight.shape[0]
+    t = _targets(targets, v, ignore_index, "fused_lm_head_loss")
+    dl = np.where(t >= 0, d_loss, 0).astype(dtype)
+    rows = max(1, min(n, FUSED_LOGITS_TILE // max(v, 1)))
+    buf = scratch("lm_head_tile", min(n, rows) * v, dtype)
+    vocab_pieces = [slice(lo, hi) for lo, hi in chunks(v, max(1024, v // 8))]
+    for i, r0 in enumerate(range(0, n, rows)):
+        r = slice(r0, min(r0 + rows, n))
+        xr = x[r]
+        z = matmul_into(xr, weight.T, buf[: xr.shape[0] * v].reshape(xr.shape[0], v))
+
+        def softmax_grad(b: slice, z: np.ndarray = z, r: slice = r) -> None:
+            zb, tb, lb = z[b], t[r][b], dl[r][b]
+            picked = np.flatnonzero(tb >= 0)
+            target = np.zeros(zb.shape[0], dtype)
+            target[picked] = zb[picked, tb[picked]]
+            m = zb.max(axis=1)
+            zb -= m[:, None]
+            np.exp(zb, out=zb)
+            total = zb.sum(axis=1)
+            row_lse = m + np.log(total)
+            lse[r][b] = row_lse
+            loss[r][b] = np.where(tb >= 0, row_lse - target, 0)
+            zb *= (lb / total)[:, None]  # p * d_loss
+            zb[picked, tb[picked]] -= lb[picked]
+
+        parallel(softmax_grad, row_blocks(*z.shape))
+        if d_x is not None:
+            matmul_into(z, weight, d_x[r])
+        if d_weight is not None:
+            if i == 0:
+                matmul_into(z.T, xr, d_weight)
+            else:
+                def add_rows(p: slice, z: np.ndarray = z, xr: np.ndarray = xr) -> None:
+                    part = scratch("lm_head_dw", (p.stop - p.start) * x.shape[1], dtype)
+                    d_weight[p] += np.matmul(z[:, p].T, xr, out=part.reshape(p.stop - p.start, x.shape[1]))
+
+                parallel(add_rows, vocab_pieces)
 
 
 def _fused_lm_head_loss_backward(d_loss: np.ndarray | None, x: np.ndarray, weight: np.ndarray,

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import Outs, check_same, or_scratch, randn
+from kiln.core._oplib._common import Outs, check_same, or_scratch, randn, view
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._threads import parallel, parallel_sum, row_blocks
 
 _EPS_RMS = (AttrSpec("eps", "float", 1e-6),)
 _EPS_LN = (AttrSpec("eps", "float", 1e-5),)
@@ -34,11 +35,42 @@ def rms_rstd(x: np.ndarray, eps: float) -> np.ndarray:
     return rstd
 
 
+def rows(a: np.ndarray) -> np.ndarray:
+    """``a`` as rows ``[-1, last dim]`` (a view when ``a`` is contiguous, as outputs are)."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def out_rows(a: np.ndarray) -> np.ndarray:
+    """An output as rows: always a view, so that writing it writes ``a``."""
+    return view(a, (-1, a.shape[-1])) if a.size else a.reshape(-1, a.shape[-1])
+
+
 def rmsnorm_grad_into(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
                       d_rstd: np.ndarray | None, d_x: np.ndarray, d_w: np.ndarray | None,
                       d_extra: np.ndarray | None = None) -> None:
     """(d_x, d_weight) of y = x * rstd * weight, rstd = (mean(x^2) + eps)^-1/2, written into ``d_x`` and
-    ``d_w``; ``d_extra`` (a residual's gradient) is added to d_x. ``d_x`` may be ``d_y`` itself."""
+    ``d_w``; ``d_extra`` (a residual's gradient) is added to d_x. ``d_x`` may be ``d_y`` itself.
+    Blocks of rows run on the backend's threads; d_weight sums their parts in order."""
+    c = x.shape[-1]
+    opt = [None if a is None else rows(a) for a in (d_y, d_extra)]
+    x2, r1, dx2 = rows(x), rstd.reshape(-1), out_rows(d_x)
+    dr1 = None if d_rstd is None else d_rstd.reshape(-1)
+
+    def block(b: slice, part: np.ndarray | None) -> None:
+        d_y_b, extra_b = (None if a is None else a[b] for a in opt)
+        rmsnorm_grad_rows(d_y_b, x2[b], r1[b], weight, None if dr1 is None else dr1[b], dx2[b], part, extra_b)
+
+    blocks = row_blocks(x2.shape[0], c)
+    if d_w is None:
+        parallel(lambda b: block(b, None), blocks)
+    else:
+        parallel_sum(block, blocks, d_w)
+
+
+def rmsnorm_grad_rows(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
+                       d_rstd: np.ndarray | None, d_x: np.ndarray, d_w: np.ndarray | None,
+                       d_extra: np.ndarray | None = None) -> None:
+    """:func:`rmsnorm_grad_into` on the calling thread (any rank; d_weight sums over all leading dims)."""
     r = rstd[..., None]
     if d_y is None:
         d_x[...] = 0
@@ -96,8 +128,13 @@ def _rmsnorm(x: np.ndarray, weight: np.ndarray, *, eps: float) -> tuple[np.ndarr
 
 def _rmsnorm_out(x: np.ndarray, weight: np.ndarray, *, out: Outs, eps: float) -> None:
     y, rstd = or_scratch(out, [x.shape, x.shape[:-1]], x.dtype)
-    rstd[...] = rms_rstd(x, eps)
-    normalize(x, rstd, weight, out=y)
+    x2, y2, r1 = rows(x), out_rows(y), rstd.reshape(-1)
+
+    def block(b: slice) -> None:
+        r1[b] = rms_rstd(x2[b], eps)
+        normalize(x2[b], r1[b], weight, out=y2[b])
+
+    parallel(block, row_blocks(*x2.shape))
 
 
 def _rmsnorm_infer(ctx: InferContext) -> list[TensorType]:
@@ -151,9 +188,14 @@ def _fused(residual: np.ndarray, x: np.ndarray, weight: np.ndarray, *,
 
 def _fused_out(residual: np.ndarray, x: np.ndarray, weight: np.ndarray, *, out: Outs, eps: float) -> None:
     res, y, rstd = or_scratch(out, [x.shape, x.shape, x.shape[:-1]], x.dtype)
-    np.add(residual, x, out=res)  # res may be residual's own storage
-    rstd[...] = rms_rstd(res, eps)
-    normalize(res, rstd, weight, out=y)
+    a2, x2, res2, y2, r1 = rows(residual), rows(x), out_rows(res), out_rows(y), rstd.reshape(-1)
+
+    def block(b: slice) -> None:
+        np.add(a2[b], x2[b], out=res2[b])  # res may be residual's own storage
+        r1[b] = rms_rstd(res2[b], eps)
+        normalize(res2[b], r1[b], weight, out=y2[b])
+
+    parallel(block, row_blocks(*x2.shape))
 
 
 def _fused_infer(ctx: InferContext) -> list[TensorType]:
