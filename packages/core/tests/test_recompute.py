@@ -380,7 +380,7 @@ def test_recompute_ops_run_right_before_their_first_consumer(recompute: str) -> 
 
 def test_dropout_replays_from_its_counter_state() -> None:
     bundle = ir_model(dropout=True)
-    for recompute, budget in (("block", None), ("dsl", None), ("auto", 0.2)):
+    for recompute, budget in (("block", None), ("dsl", None), ("auto", 0.15)):
         plan = compile(bundle, bindings={"B": 2, "T": 6}, recompute=recompute, recompute_budget=budget,
                        recompute_options={"measure": None}).recompute
         b = plan.block("Qwen3Block")
@@ -442,10 +442,13 @@ def test_benchmark_config_memory_block_and_auto() -> None:
     assert none > 100 * MiB
     block, _ = _saved(ir, recompute="block")
     assert block <= 0.15 * none, block / none  # seed 001: only the block inputs are kept
-    auto, auto_prog = _saved(ir, recompute="auto")  # the default budget: half the activation peak
-    # the budget bounds the activation peak (saved and transient activations): met, and saved halves too
-    assert _activations(auto_prog) <= auto_prog.recompute.budget == int(0.5 * _activations(program))
-    assert auto <= 0.5 * none and auto_prog.arena_bytes <= program.arena_bytes
+    auto, auto_prog = _saved(ir, recompute="auto")  # the default budget: half the saved activations
+    assert auto <= auto_prog.recompute.budget == int(0.5 * none)
+    assert _activations(auto_prog) <= 0.55 * _activations(program)  # with the replays' working memory
+    assert auto_prog.arena_bytes < program.arena_bytes
+    # neither attention nor a fused norm's stats are replayed: the norm output comes from the kept sum
+    replays = {op.op_type for b in auto_prog.recompute.blocks for op in b.ops}
+    assert "flash_attention" not in replays and "rmsnorm_apply_saved" in replays, replays
 
 
 def test_benchmark_config_memory_dsl_lora() -> None:
@@ -505,12 +508,15 @@ def test_budget_to_peak_is_monotone_and_never_above_no_recompute() -> None:
     bundle = ir_model(hidden_size=32, intermediate_size=64, num_layers=4)
     binds = {"B": 2, "T": 16}
     none = compile(bundle, bindings=binds)
-    acts, peaks = [], []
-    for fraction in np.linspace(1.0, 0.45, 12):
+    saved_none = none.memory_report()["saved_activations"]
+    kept, acts, peaks = [], [], []
+    for fraction in np.linspace(1.0, 0.2, 17):
         program = compile(bundle, bindings=binds, recompute="auto", recompute_budget=float(fraction))
+        kept.append(program.memory_report()["saved_activations"])
         acts.append(_activations(program))
         peaks.append(program.arena_bytes)
-        assert acts[-1] <= fraction * _activations(none)
+        assert kept[-1] <= fraction * saved_none
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
     assert acts == sorted(acts, reverse=True) and acts[0] > acts[-1]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] <= none.arena_bytes
     # without placement the planner bounds its saved bytes: monotone as well
@@ -519,8 +525,8 @@ def test_budget_to_peak_is_monotone_and_never_above_no_recompute() -> None:
     assert saved == sorted(saved, reverse=True)
 
 
-def test_an_unreachable_budget_names_the_lowest_peak() -> None:
-    with pytest.raises(KilnError, match="the lowest auto plan peaks at"):
+def test_an_unreachable_budget_names_the_lowest_plan() -> None:
+    with pytest.raises(KilnError, match="the lowest auto plan keeps"):
         compile(ir_model(), bindings={"B": 2, "T": 6}, recompute="auto", recompute_budget=64)
     for bad in (0, -3, 1.5, "half", True):
         with pytest.raises(KilnError, match="budget"):

@@ -88,8 +88,8 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("full", "lora"), default="full", help="training mode (default full)")
     p.add_argument("--recompute", choices=MODES, default="dsl", help="recompute mode (default dsl)")
     p.add_argument("--budget", default=None,
-                   help="auto budget, the activation peak allowed: bytes (123456, 64MiB) or a fraction of "
-                        "the activation peak without recompute (0.5, 50%%)")
+                   help="auto budget, the saved activations allowed: bytes (123456, 64MiB) or a fraction "
+                        "of those without recompute (0.5, 50%%)")
     p.add_argument("--batch", type=int, default=8, help="batch size B (default 8)")
     p.add_argument("--seq", type=int, default=256, help="sequence length T (default 256)")
     p.add_argument("--pareto", action="store_true",
@@ -169,7 +169,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"  {k:<18} {_size(report[k]):>12}{extra}")
     if plan.budget is not None:
         act = report["saved_activations"] + report["transient"]
-        print(f"  activation peak {_size(act)} within the budget of {_size(plan.budget)}")
+        print(f"  saved activations {_size(report['saved_activations'])} within the budget of "
+              f"{_size(plan.budget)} (activation peak {_size(act)})")
     if args.pareto:
         fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
         _print_pareto(bundle, binds, args.mode, fixed)
@@ -184,11 +185,11 @@ def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> 
     rows = [("budget", "saved", "activations", "peak", "extra GFLOP", "matmul")]
     for pt in points:
         act = pt.peak or 0
-        rows.append((str(act), _size(pt.bytes), _size(act), _size(act + fixed), f"{pt.flops / 1e9:.3f}",
+        rows.append((str(pt.bytes), _size(pt.bytes), _size(act), _size(act + fixed), f"{pt.flops / 1e9:.3f}",
                      "yes" if pt.matmul else ""))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     print()
-    print("auto plans (budget in activation bytes -> saved, activation peak, planned peak, extra FLOPs "
+    print("auto plans (budget in saved bytes -> saved, activation peak, planned peak, extra FLOPs "
           "per step):")
     for r in rows:
         print("  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))

@@ -80,8 +80,8 @@ def kiln_plan_recompute(
         ``"auto"`` (under a memory budget) or ``"block"`` (keep only block inputs).
     :param training: The training mode, ``"full"`` or ``"lora"``; slot policies (``always``,
         ``lora_only``, ``fft_only``, ``never``) are gated by it.
-    :param budget: The auto planner's budget, the activation peak allowed: bytes (int), a
-        fraction of the activation peak without recompute (float), or None for the default (0.5).
+    :param budget: The auto planner's budget, the saved activations allowed: bytes (int), a
+        fraction of the saved activations without recompute (float), or None for the default (0.5).
     :param options: The remaining planner options, a dict: ``allow_matmul`` (None: replay
         matmuls only when the budget forces it) and ``measure`` (a function from a plan to the
         activation peak of the Program compiled with it, when planning inside ``compile``).

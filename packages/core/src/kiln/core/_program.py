@@ -234,8 +234,8 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     is the float type float tensors compute in. Weights, gradients and optimizer state are laid out
     the same way for every task and binding, so all Programs of a model can share one arena.
     ``recompute``: ``none``, ``dsl``, ``auto`` or ``block`` (see :mod:`kiln.core.recompute`);
-    ``recompute_budget``: the auto planner's budget, the activation peak allowed in bytes (int) or as
-    a fraction of the no-recompute activation peak (float), 0.5 by default.
+    ``recompute_budget``: the auto planner's budget, the saved activations allowed in bytes (int) or
+    as a fraction of the no-recompute ones (float), 0.5 by default.
     """
     from kiln.core._plugins import get_registry
 

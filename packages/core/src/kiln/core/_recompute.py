@@ -354,6 +354,42 @@ def saved_variant(op: Op, registry: OpRegistry | None) -> Op | None:
     return Op(var.name, ins, produced, {k: v for k, v in op.attrs.items() if k in keep}, loc=op.loc)
 
 
+#: Replays that rebuild some of an op's outputs from others it produced (kept) besides
+#: ``<op>_apply_saved``: op type -> (replay op type, {its input: the op's input or output schema name},
+#: {its output: the op's output schema name}). A fused residual + rmsnorm's normalized output is
+#: ``rmsnorm_apply_saved`` of its kept sum and rstd: elementwise, bitwise equal to the forward's.
+OUTPUT_VARIANTS: dict[str, tuple[tuple[str, dict[str, str], dict[str, str]], ...]] = {
+    "fused_residual_rmsnorm": (
+        ("rmsnorm_apply_saved", {"x": "residual_out", "rstd": "rstd", "weight": "weight"}, {"y": "y"}),
+    ),
+}
+
+
+def replay_variants(op: Op, registry: OpRegistry | None) -> list[Op]:
+    """Ops that rebuild part of ``op``'s outputs from its inputs and the rest of its outputs (kept):
+    its ``<op>_apply_saved`` variant, then those of :data:`OUTPUT_VARIANTS`."""
+    found = [v for v in (saved_variant(op, registry),) if v is not None]
+    if registry is None or op.type not in registry:
+        return found
+    fwd = registry.get_op(op.type)
+    names = {n.strip("?*"): t for n, t in zip(fwd.inputs, op.inputs, strict=False)}
+    names |= {n.strip("?*"): t for n, t in zip(fwd.outputs, op.outputs, strict=False)}
+    for kind, ins, outs in OUTPUT_VARIANTS.get(op.type, ()):
+        if kind not in registry:
+            continue
+        var = registry.get_op(kind)
+        try:
+            inputs = [names[ins[n.strip("?*")]] for n in var.inputs]
+            outputs = [names[outs[n.strip("?*")]] for n in var.outputs]
+        except KeyError:
+            continue
+        if all(inputs) and all(outputs):
+            keep = {a.name for a in var.attrs}
+            attrs_kept = {k: v for k, v in op.attrs.items() if k in keep}
+            found.append(Op(kind, inputs, outputs, attrs_kept, loc=op.loc))
+    return found
+
+
 def _replay_op(op: Op, fwd: _Forward, keep: AbstractSet[str], registry: OpRegistry | None) -> Op:
     """The forward op, or its ``_apply_saved`` variant when the statistics it would recompute are kept."""
     if any(o in keep for o in op.outputs if o):
@@ -497,17 +533,27 @@ def closure(fwd: _Forward, need: Iterable[str], kept: set[str]) -> set[int]:
 
 
 def replay_plan(ctx: BlockContext, replayed: set[int], registry: OpRegistry | None, training: str, *,
-                keep: set[str] | frozenset[str] = frozenset(), whole_block: bool = False) -> BlockPlan:
-    """A plan replaying the forward ops ``replayed`` (and the views of what they produce), one op each."""
+                keep: set[str] | frozenset[str] = frozenset(), whole_block: bool = False,
+                variants: Mapping[int, int] | None = None) -> BlockPlan:
+    """A plan replaying the forward ops ``replayed`` (and the views of what they produce), one op each;
+    ``variants`` maps more forward ops to the :func:`replay_variants` entry that rebuilds part of their
+    outputs (the rest are kept)."""
     assert ctx.module.forward is not None
     fwd = _Forward(ctx.module.forward)
     g = fwd.g
+    partial = {k: replay_variants(g.ops[k], registry)[v] for k, v in (variants or {}).items()}
     roots = {o for k in replayed for o in g.ops[k].outputs if o} - keep
+    roots |= {o for op in partial.values() for o in op.outputs if o}
     recomputed = {t for t, r in fwd.root.items() if r in roots}
     where = f"block {ctx.name!r}"
     ops = []
     for k, op in enumerate(g.ops):
-        if k in replayed or (op.type in ALIAS_OPS and op.outputs[0] in recomputed):
+        if k in partial:
+            rep = partial[k]
+            ops.append(RecomputeOp(rep.outputs[0], rep.type, [i for i in rep.inputs if i],
+                                   [o for o in rep.outputs if o], rep.attrs, replay=(rep,),
+                                   rng=_rng((rep,), registry, where), flops=ctx.costs[k].flops))
+        elif k in replayed or (op.type in ALIAS_OPS and op.outputs[0] in recomputed):
             rep = _replay_op(op, fwd, keep, registry)
             ops.append(RecomputeOp(op.outputs[0], op.type, [i for i in op.inputs if i],
                                    [o for o in op.outputs if o], op.attrs, replay=(rep,),

@@ -13,12 +13,13 @@ Replaying a matmul-class op is considered only below the smallest budget reachab
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kiln.core._errors import KilnError
 from kiln.core._ops import OpRegistry
-from kiln.core._recompute import ALIAS_OPS, _Forward, replay_plan, replayable
+from kiln.core._recompute import ALIAS_OPS, _Forward, replay_plan, replay_variants, replayable
 from kiln.core.recompute import BlockContext, BlockPlan, ParetoPoint, PlanContext, RecomputePlan
 
 #: ops replayed "only when the budget forces it": matmuls, grouped GEMMs and attention
@@ -48,15 +49,22 @@ class _Block:
         self.can: list[bool] = []
         self.matmul: list[bool] = []
         self.cost: list[tuple[float, float]] = []
+        #: per position, (outputs rebuilt, roots read) of each replay variant of the op
+        self.variants: list[list[tuple[int, int]]] = []
         for k, op in enumerate(fwd.g.ops):
             if op.type in ALIAS_OPS:
                 continue
             self.ops.append(k)
-            self.outs.append(self.mask(o for o in op.outputs if o))
+            outs = self.mask(o for o in op.outputs if o)
+            self.outs.append(outs)
             self.ins.append(self.mask(fwd.root[i] for i in op.inputs if i))
             self.can.append(registry is None or replayable(op, registry))
             self.matmul.append(op.type in MATMUL_OPS)
             self.cost.append((ctx.costs[k].flops, ctx.costs[k].bytes))
+            self.variants.append([(self.mask(o for o in v.outputs if o) & outs,
+                                   self.mask(fwd.root[i] for i in v.inputs if i))
+                                  for v in replay_variants(op, registry)])
+        self.n_variants = max((len(v) for v in self.variants), default=0)
         self.carry_out = [self.bit.get(fwd.root[out], 0) for out, _ in ctx.carries]
         self.carry_in = [self.bit.get(fwd.root[inp], 0) for _, inp in ctx.carries]
         self.carry_size = [int(ctx.sizes.get(inp, 0)) for _, inp in ctx.carries]
@@ -108,7 +116,12 @@ def _prune(points: list[_Pt]) -> list[_Pt]:
 
 
 def block_front(b: _Block, allow_matmul: bool) -> list[_Pt]:
-    """Every Pareto-optimal plan of a block: (saved bytes of its layers, FLOPs, cost bytes, replayed)."""
+    """Every Pareto-optimal plan of a block: (saved bytes of its layers, FLOPs, cost bytes, replayed).
+
+    ``replayed`` has bit ``pos`` for an op replayed whole and bit ``pos + (v + 1) * len(b.ops)`` for
+    one rebuilt by its replay variant ``v`` (the outputs it does not rebuild, and those it reads, kept).
+    """
+    n = len(b.ops)
     # state: (roots a replay still needs, carried outputs kept) -> points (bytes per layer so far, ...)
     states: dict[tuple[int, int], list[_Pt]] = {(0, 0): [(0, 0.0, 0.0, 0)]}
     for pos in reversed(range(len(b.ops))):
@@ -129,6 +142,13 @@ def block_front(b: _Block, allow_matmul: bool) -> list[_Pt]:
                 bit = 1 << pos
                 new.setdefault((rest | (ins & ~b.needed), kout), []).extend(
                     (m, f + f0, c + c0, r | bit) for m, f, c, r in pts)
+                for v, (made, reads) in enumerate(b.variants[pos]):  # or rebuild part of them from the rest
+                    if not q & made:
+                        continue
+                    held = (q & ~made) | (reads & outs)
+                    vb, bit = b.bytes_of(held), 1 << (pos + (v + 1) * n)
+                    state = (rest | (reads & ~outs & ~b.needed), kout | held & b.outs_carried)
+                    new.setdefault(state, []).extend((m + vb, f + f0, c + c0, r | bit) for m, f, c, r in pts)
         states = {k: _prune(v) for k, v in new.items()}
     layers = b.ctx.layers
     out: list[_Pt] = []
@@ -164,7 +184,11 @@ def model_front(context: PlanContext, allow_matmul: bool | None) -> list[ParetoP
             positions = [(b, [p for p in range(len(b.ops)) if r >> p & 1])
                          for b, r in zip(blocks, masks, strict=True)]
             replayed = tuple(frozenset(b.ops[p] for p in ps) for b, ps in positions)
-            out.append(ParetoPoint(m, f, c, replayed, any(b.matmul[p] for b, ps in positions for p in ps)))
+            variants = tuple(tuple((b.ops[p], v) for v in range(b.n_variants) for p in range(len(b.ops))
+                                   if r >> (p + (v + 1) * len(b.ops)) & 1)
+                             for b, r in zip(blocks, masks, strict=True))
+            out.append(ParetoPoint(m, f, c, replayed, any(b.matmul[p] for b, ps in positions for p in ps),
+                                   variants=variants))
         return out
 
     if allow_matmul is not None:
@@ -181,25 +205,36 @@ def _rank(p: ParetoPoint) -> tuple[bool, float, float, int]:
     return (p.matmul, p.flops, p.cost_bytes, p.bytes)
 
 
+def _monotone(points: Sequence[ParetoPoint], peak: Callable[[ParetoPoint], int]) -> list[ParetoPoint]:
+    """The points whose activation peak is no higher than that of any point keeping more bytes (walked
+    from the most bytes down, a running minimum): choosing only among them, a smaller budget never
+    gets a larger peak."""
+    out: list[ParetoPoint] = []
+    low = math.inf
+    for p in sorted(points, key=lambda p: (-p.bytes, p.flops)):
+        if peak(p) <= low:
+            out.append(p)
+            low = peak(p)
+    return out
+
+
 def choose(points: Sequence[ParetoPoint], budget: int,
            peak: Callable[[ParetoPoint], int] | None = None) -> ParetoPoint | None:
-    """The preferred point whose activation peak (``peak``, else its saved bytes) is within the budget.
+    """The preferred point (:func:`_rank`) that keeps at most ``budget`` saved activation bytes.
 
-    The candidates are a fixed set, so a smaller budget never selects a larger peak: the choice is
-    monotone, and never above the no-recompute plan (0 FLOPs, preferred whenever it fits)."""
-    measure = peak or (lambda p: p.bytes)
-    # the saved bytes are live when the backward starts: a lower bound of the peak, so a point keeping
-    # more than the budget is skipped without placing it
-    return next((p for p in sorted(points, key=_rank) if p.bytes <= budget and measure(p) <= budget), None)
+    With ``peak`` (point -> placed activation peak), only points no higher than every point keeping
+    more are eligible (:func:`_monotone`): the chosen peak then never rises as the budget falls,
+    and never exceeds the no-recompute one (the point keeping most, preferred whenever it fits)."""
+    eligible = _monotone(points, peak) if peak is not None else list(points)
+    return next((p for p in sorted(eligible, key=_rank) if p.bytes <= budget), None)
 
 
 def selectable(points: Sequence[ParetoPoint]) -> list[ParetoPoint]:
-    """The measured points some budget selects: no other point has a peak as low and ranks before it."""
-    def beaten(p: ParetoPoint) -> bool:
-        return any(q is not p and q.peak is not None and p.peak is not None and q.peak <= p.peak
-                   and _rank(q) < _rank(p) for q in points)
-
-    return [p for p in points if not beaten(p)]
+    """The measured points some budget selects: eligible (:func:`_monotone`), and no eligible point
+    keeping as few bytes ranks before them."""
+    eligible = _monotone(points, lambda p: p.peak if p.peak is not None else p.bytes)
+    return [p for p in eligible
+            if not any(q is not p and q.bytes <= p.bytes and _rank(q) < _rank(p) for q in eligible)]
 
 
 def model_bytes(context: PlanContext, plans: Sequence[BlockPlan]) -> int:
@@ -215,10 +250,10 @@ def model_bytes(context: PlanContext, plans: Sequence[BlockPlan]) -> int:
 
 def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any],
               resolve: Callable[[float | None, int], int]) -> RecomputePlan:
-    """The auto plan: fewest FLOPs among the Pareto points whose activation peak fits the budget.
+    """The auto plan: fewest FLOPs among the Pareto points whose saved activations fit the budget.
 
-    With ``options["measure"]`` (plan -> placed activation peak, as ``compile`` passes), the peak is
-    the placed one (saved and transient activations); otherwise the saved bytes stand in for it."""
+    With ``options["measure"]`` (plan -> placed activation peak, as ``compile`` passes), a point whose
+    placed peak is above that of a point keeping more is passed over (:func:`choose`)."""
     points = model_front(context, options.get("allow_matmul"))
     measure = options.get("measure")
     seen: dict[int, int] = {}
@@ -231,13 +266,12 @@ def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any
         return seen[id(p)]
 
     none = max(points, key=lambda p: (p.bytes, -p.flops))
-    reference = peak(none)
-    target = resolve(budget, reference)
-    best = choose(points, target, peak)
+    target = resolve(budget, none.bytes)
+    best = choose(points, target, peak if measure is not None else None)
     if best is None:
-        lowest = min(peak(p) for p in points)
-        raise KilnError(f"no recompute plan keeps the activations within {target} bytes; the lowest auto "
-                        f"plan peaks at {lowest} of {reference} without recompute",
+        lowest = min(p.bytes for p in points)
+        raise KilnError(f"no recompute plan keeps the saved activations within {target} bytes; the lowest "
+                        f"auto plan keeps {lowest} of {none.bytes} without recompute",
                         hint="raise the budget, or use recompute='block'")
     return to_plan(context, best, target, none.bytes)
 
@@ -246,7 +280,8 @@ def to_plan(context: PlanContext, point: ParetoPoint, budget: int | None = None,
             reference: int | None = None) -> RecomputePlan:
     """The RecomputePlan of one auto point."""
     contexts = [c for c in context.blocks if c.module.forward is not None]
-    blocks = [replay_plan(c, set(r), context.registry, context.training)
-              for c, r in zip(contexts, point.replayed, strict=True)]
+    variants = point.variants or tuple(() for _ in contexts)
+    blocks = [replay_plan(c, set(r), context.registry, context.training, variants=dict(v))
+              for c, r, v in zip(contexts, point.replayed, variants, strict=True)]
     return RecomputePlan("auto", context.training, blocks=blocks, budget=budget, reference_bytes=reference,
                          planned_bytes=point.bytes)

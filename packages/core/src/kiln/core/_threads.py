@@ -146,7 +146,7 @@ def chunks(n: int, grain: int) -> list[tuple[int, int]]:
 
 #: elements per piece of an elementwise kernel: big enough to pay for a hand-off, small enough to
 #: stay in cache
-GRAIN = 1 << 16
+GRAIN = 1 << 17
 
 
 def row_blocks(rows: int, width: int) -> list[slice]:

@@ -254,6 +254,9 @@ class ParetoPoint:
     replayed: tuple[frozenset[int], ...]  # per block of the context, the forward op indices replayed
     matmul: bool  # whether it replays a matmul-class op
     peak: int | None = None  # the placed activation peak, when measured
+    #: per block, (forward op index, replay variant) pairs: the op is rebuilt in part by that entry of
+    #: ``kiln.core._recompute.replay_variants`` from the rest of its outputs, which are kept
+    variants: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def plan_context(module_ir: Any, *, bindings: Mapping[str, int], mode: str = "full",
@@ -302,7 +305,7 @@ def _resolve_budget(budget: float | None, reference: int) -> int:
         return int(DEFAULT_AUTO_FRACTION * reference)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 or math.isnan(budget):
         raise KilnError(f"recompute budget {budget!r} is not valid; expected bytes (an int > 0) or a "
-                        "fraction of the no-recompute activation peak (a float in (0, 1])")
+                        "fraction of the no-recompute saved activations (a float in (0, 1])")
     if isinstance(budget, float):
         if budget > 1:
             raise KilnError(f"recompute budget {budget} is a float above 1; give a fraction in (0, 1] "
@@ -315,11 +318,13 @@ def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | 
                    options: Mapping[str, Any] | None = None) -> RecomputePlan:
     """The recompute plan for ``context``: a plugin's (``kiln_plan_recompute``) or kiln's own.
 
-    ``budget`` (auto mode): the activation peak allowed, in bytes (int) or as a fraction of the
-    no-recompute activation peak (float); default 0.5. ``options`` (passed on to plugins as well):
+    ``budget`` (auto mode): the saved activations allowed (what the forward keeps for the backward),
+    in bytes (int) or as a fraction of the no-recompute ones (float); default 0.5. ``options``
+    (passed on to plugins as well):
     ``allow_matmul`` (None: only when the budget forces it) and ``measure``, a function from a plan
-    to its placed activation peak (saved plus transient activation bytes; ``compile`` passes one).
-    Without ``measure`` the planner's saved bytes stand in for the peak.
+    to its placed activation peak (saved plus transient activation bytes; ``compile`` passes one),
+    with which a plan peaking above one that keeps more is passed over, so that the peak never rises
+    as the budget falls.
     """
     if mode not in MODES:
         raise KilnError(f"recompute={mode!r} is not valid; expected one of {', '.join(map(repr, MODES))}")

@@ -44,7 +44,6 @@ steps = {steps}
 batch_size = 16
 seq_len = 64
 recompute = "auto"
-memory_budget = 0.75
 eval_every = {eval_every}
 eval_batches = 8
 checkpoint_every = {eval_every}
@@ -73,7 +72,6 @@ steps = {steps}
 batch_size = 8
 seq_len = 64
 recompute = "auto"
-memory_budget = 0.75
 eval_every = {eval_every}
 checkpoint_every = {eval_every}
 

@@ -33,9 +33,9 @@ from kiln.core._dims import Const, DimExpr, parse_dim, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
 from kiln.core._oplib._common import Outs, allocating, check_same, or_scratch, randn, view
-from kiln.core._oplib._norms import normalize, rms_rstd, rmsnorm_grad_rows
+from kiln.core._oplib._norms import rms_rstd, rmsnorm_grad_rows
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
-from kiln.core._threads import chunks, parallel, row_blocks
+from kiln.core._threads import chunks, parallel, row_blocks, scratch
 
 _ROPE_ATTRS = (
     AttrSpec("rotary_dim", "dim", None),
@@ -188,35 +188,75 @@ def _qkv_pieces(b: int, t: int, f: int) -> list[tuple[int, slice]]:
     return [(i, r) for i in range(b) for r in row_blocks(t, f)]
 
 
-def _positions(position_ids: np.ndarray, i: int, r: slice) -> np.ndarray:
-    return position_ids[r] if position_ids.ndim == 1 else position_ids[i, r]
+def _at(table: np.ndarray, position_ids: np.ndarray, i: int, r: slice) -> np.ndarray:
+    """Rows of a rope table (``[T, ...]`` or ``[B, T, ...]``, as the position ids) for piece (i, r)."""
+    return table[r] if position_ids.ndim == 1 else table[i, r]
+
+
+def _wide_tables(cos: np.ndarray, sin: np.ndarray, heads: int, d: int,
+                 weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE as ``out = x * C + swap(x) * S`` over whole rows of ``heads`` heads (``[..., heads * d]``),
+    where ``swap`` exchanges each head's two rotary halves: ``C = [cos | cos | 1]``,
+    ``S = [-sin | sin | 0]`` per head, times ``weight`` (C) and its swap (S) when a norm weight
+    is folded in. Whole-row tables keep the ufunc loops long (the halves alone are short strided
+    runs)."""
+    h = cos.shape[-1]
+    lead = cos.shape[:-1]
+    c = np.concatenate([cos, cos, np.ones((*lead, d - 2 * h), cos.dtype)], axis=-1)
+    s = np.concatenate([-sin, sin, np.zeros((*lead, d - 2 * h), sin.dtype)], axis=-1)
+    if weight is not None:
+        c *= weight
+        s *= np.concatenate([weight[h:2 * h], weight[:h], weight[2 * h:]])
+    return np.tile(c, heads), np.tile(s, heads)
+
+
+def _swap_halves(x: np.ndarray, out: np.ndarray, heads: int, h: int) -> np.ndarray:
+    """``out`` (rows ``[n, heads * d]``) = ``x`` with each head's halves [0, h) and [h, 2h) exchanged
+    (dims past 2h zeroed: their sine is 0)."""
+    n = x.shape[0]
+    x3, o3 = x.reshape(n, heads, -1), out.reshape(n, heads, -1)
+    o3[..., :h] = x3[..., h:2 * h]
+    o3[..., h:2 * h] = x3[..., :h]
+    if o3.shape[-1] > 2 * h:
+        o3[..., 2 * h:] = 0
+    return out
 
 
 def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
              freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int,
              eps: float, theta: float, rotary_dim: int | None) -> None:
+    """q and k: ``rope(x * rstd * weight)`` computed as ``rstd * (x * C + swap(x) * S)`` with the
+    weight folded into the tables (:func:`_wide_tables`); v copied. Pieces run on the backend's
+    threads."""
     op = "qkv_qk_norm_rope"
-    b, t = qkv.shape[:2]
+    b, t, f = qkv.shape
     qkv_out, q_rstd, k_rstd = or_scratch(out, [qkv.shape, (b, t, Hq), (b, t, Hkv)], qkv.dtype)
-    q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
-    oq, ok, ov = _split_qkv(qkv_out, Hq, Hkv, D, op)
-    rd = _rotary_dim(rotary_dim, D, op)
-    rope_tables(freqs, position_ids, rd, theta, qkv.dtype, op)  # checks the positions once
+    _split_qkv(qkv, Hq, Hkv, D, op)  # checks the layout
+    cos_t, sin_t = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    h = cos_t.shape[-1]
+    parts = ((0, Hq, q_norm_weight, q_rstd), (Hq * D, Hkv, k_norm_weight, k_rstd))
+    tables = [_wide_tables(cos_t, sin_t, heads, D, w) for _, heads, w, _ in parts]
 
     def piece(p: tuple[int, slice]) -> None:
         i, r = p
-        cos, sin = rope_tables(freqs, _positions(position_ids, i, r), rd, theta, qkv.dtype, op)
-        for x, w, o, rstd in ((q, q_norm_weight, oq, q_rstd), (k, k_norm_weight, ok, k_rstd)):
-            x, o, rstd = x[i, r], o[i, r], rstd[i, r]
+        for (start, heads, w, rstd), (c, s) in zip(parts, tables, strict=True):
+            cols = slice(start, start + heads * D)
+            x, o = qkv[i, r, cols], qkv_out[i, r, cols]
+            n = x.shape[0]
+            tmp = scratch("qkv_rope", n * heads * D, qkv.dtype).reshape(n, heads * D)
+            np.multiply(x, _at(c, position_ids, i, r), out=o)
+            _swap_halves(x, tmp, heads, h)
+            tmp *= _at(s, position_ids, i, r)
+            o += tmp
             if w is None:
-                rstd[...] = 1
-                rope_into(x, cos, sin, o)
+                rstd[i, r] = 1
             else:
-                rstd[...] = rms_rstd(x, eps)
-                rope_into(normalize(x, rstd, w, out=o), cos, sin, o)
-        ov[i, r] = v[i, r]
+                rows = rms_rstd(x.reshape(n, heads, D), eps)
+                rstd[i, r] = rows
+                o.reshape(n, heads, D)[...] *= rows[..., None]
+        qkv_out[i, r, (Hq + Hkv) * D:] = qkv[i, r, (Hq + Hkv) * D:]
 
-    parallel(piece, _qkv_pieces(b, t, qkv.shape[2]))
+    parallel(piece, _qkv_pieces(b, t, f))
 
 
 def _qkv_norm_rope(qkv: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
@@ -258,26 +298,33 @@ def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: n
     q, k, _ = _split_qkv(qkv, Hq, Hkv, D, op)
     d_q, d_k, d_v = _split_qkv(np.zeros_like(qkv) if d_qkv_out is None else d_qkv_out, Hq, Hkv, D, op)
     g_q, g_k, g_v = _split_qkv(d_qkv, Hq, Hkv, D, op)
-    rd = _rotary_dim(rotary_dim, D, op)
-    rope_tables(freqs, position_ids, rd, theta, qkv.dtype, op)  # checks the positions once
+    cos_t, sin_t = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    h = cos_t.shape[-1]
     pieces = _qkv_pieces(b, t, qkv.shape[2])
-    parts = np.empty((len(pieces), 2, D), qkv.dtype)  # each piece's share of the two norm weights' grads
+    grads = np.empty((len(pieces), 2, D), qkv.dtype)  # each piece's share of the two norm weights' grads
+    parts = ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, Hq, 0),
+             (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, Hkv, 1))
+    tables = [_wide_tables(cos_t, sin_t, heads, D) for *_, heads, _ in parts]
 
     def piece(n: int) -> None:
         i, r = pieces[n]
-        cos, sin = rope_tables(freqs, _positions(position_ids, i, r), rd, theta, qkv.dtype, op)
-        for x, dy, w, rstd, d_rstd, g, d_w in ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, parts[n, 0]),
-                                               (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, parts[n, 1])):
-            g = g[i, r]
-            rope_into(dy[i, r], cos, sin, g, inverse=True)
+        for (x, dy, w, rstd, d_rstd, g, heads, j), (c, s) in zip(parts, tables, strict=True):
+            rows = r.stop - r.start
+            dy2, g2 = dy[i, r].reshape(rows, heads * D), view(g[i, r], (rows, heads * D))
+            tmp = scratch("qkv_rope", rows * heads * D, qkv.dtype).reshape(rows, heads * D)
+            np.multiply(dy2, _at(c, position_ids, i, r), out=g2)  # the inverse rotation: x C - swap(x) S
+            _swap_halves(dy2, tmp, heads, h)
+            tmp *= _at(s, position_ids, i, r)
+            g2 -= tmp
             if w is None:  # no norm: the rstd output is constant ones
-                d_w[...] = 0
+                grads[n, j] = 0
             else:
-                rmsnorm_grad_rows(g, x[i, r], rstd[i, r], w, None if d_rstd is None else d_rstd[i, r], g, d_w)
+                rmsnorm_grad_rows(g[i, r], x[i, r], rstd[i, r], w, None if d_rstd is None else d_rstd[i, r],
+                                  g[i, r], grads[n, j])
         g_v[i, r] = d_v[i, r]
 
     parallel(piece, range(len(pieces)))
-    total = parts.sum(axis=0) if len(pieces) else np.zeros((2, D), qkv.dtype)
+    total = grads.sum(axis=0) if len(pieces) else np.zeros((2, D), qkv.dtype)
     d_qw[...], d_kw[...] = total[0], total[1]
 
 

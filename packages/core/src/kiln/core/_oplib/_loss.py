@@ -294,8 +294,11 @@ def _fused_lm_head_loss_backward_out(d_loss: np.ndarray | None, x: np.ndarray, w
 
 
 #: bound on the elements of the one block of logits (rows x the whole vocabulary) that
-#: :func:`fused_lm_head_loss_and_grad` holds
-FUSED_LOGITS_TILE = 1 << 22
+#: :func:`fused_lm_head_loss_and_grad` holds (32 MiB in float32)
+FUSED_LOGITS_TILE = 1 << 23
+#: logits whose row maximum lies within +-this go through exp() without subtracting the maximum
+#: first (float32's exp overflows past 88)
+_EXP_SAFE = 60.0
 
 
 def fused_lm_head_loss_and_grad(d_loss: np.ndarray, x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *,
@@ -305,10 +308,12 @@ def fused_lm_head_loss_and_grad(d_loss: np.ndarray, x: np.ndarray, weight: np.nd
 
     A training step knows its loss cotangent before the forward runs (the mean's ``mask / count``),
     so the NumPy backend runs the LM head's forward and backward together: each tile of rows
-    computes its logits over the whole vocabulary once, their log-sum-exp and loss, turns them into
-    their gradient in place, and writes its rows of ``d_x`` and its share of ``d_weight``. Three
-    products over the logits instead of the four of a backward that recomputes them. Tiles run one
-    after another; the products and row blocks inside a tile run on the backend's threads.
+    computes its logits over the whole vocabulary once, their log-sum-exp and loss, and turns them
+    in place into ``E = exp(z - m)`` with ``sum(E)`` taken off at each row's target; with
+    ``a = d_loss / sum(E)`` per row, the logits' gradient is ``a * E``, so ``d_x = a * (E @ w)`` and
+    ``d_weight += E^T @ (a * x)``: three products over the logits (a backward that recomputes them
+    has four) and three passes over them. Tiles run one after another; the products and row blocks
+    inside a tile run on the backend's threads.
     """
     dtype = float_dtype_of(x, weight)
     n, v = x.shape[0], weight.shape[0]
@@ -316,37 +321,44 @@ def fused_lm_head_loss_and_grad(d_loss: np.ndarray, x: np.ndarray, weight: np.nd
     dl = np.where(t >= 0, d_loss, 0).astype(dtype)
     rows = max(1, min(n, FUSED_LOGITS_TILE // max(v, 1)))
     buf = scratch("lm_head_tile", min(n, rows) * v, dtype)
-    vocab_pieces = [slice(lo, hi) for lo, hi in chunks(v, max(1024, v // 8))]
+    scale = np.empty(n, dtype)
+    vocab_pieces = [slice(lo, hi) for lo, hi in chunks(v, max(256, v // 16))]
     for i, r0 in enumerate(range(0, n, rows)):
         r = slice(r0, min(r0 + rows, n))
         xr = x[r]
         z = matmul_into(xr, weight.T, buf[: xr.shape[0] * v].reshape(xr.shape[0], v))
 
-        def softmax_grad(b: slice, z: np.ndarray = z, r: slice = r) -> None:
-            zb, tb, lb = z[b], t[r][b], dl[r][b]
+        def softmax(b: slice, z: np.ndarray = z, r: slice = r) -> None:
+            zb, tb = z[b], t[r][b]
             picked = np.flatnonzero(tb >= 0)
             target = np.zeros(zb.shape[0], dtype)
             target[picked] = zb[picked, tb[picked]]
             m = zb.max(axis=1)
-            zb -= m[:, None]
+            if np.all(np.abs(m) < _EXP_SAFE):  # exp(z) cannot overflow, and each row's largest term is normal
+                m[...] = 0
+            else:
+                zb -= m[:, None]
             np.exp(zb, out=zb)
             total = zb.sum(axis=1)
             row_lse = m + np.log(total)
             lse[r][b] = row_lse
             loss[r][b] = np.where(tb >= 0, row_lse - target, 0)
-            zb *= (lb / total)[:, None]  # p * d_loss
-            zb[picked, tb[picked]] -= lb[picked]
+            zb[picked, tb[picked]] -= total[picked]
+            scale[r][b] = dl[r][b] / total
 
-        parallel(softmax_grad, row_blocks(*z.shape))
+        parallel(softmax, row_blocks(*z.shape))
+        a = scale[r, None]
         if d_x is not None:
             matmul_into(z, weight, d_x[r])
+            d_x[r] *= a
         if d_weight is not None:
+            xs = np.multiply(xr, a, out=scratch("lm_head_xs", xr.size, dtype).reshape(xr.shape))
             if i == 0:
-                matmul_into(z.T, xr, d_weight)
+                matmul_into(z.T, xs, d_weight)
             else:
-                def add_rows(p: slice, z: np.ndarray = z, xr: np.ndarray = xr) -> None:
+                def add_rows(p: slice, z: np.ndarray = z, xs: np.ndarray = xs) -> None:
                     part = scratch("lm_head_dw", (p.stop - p.start) * x.shape[1], dtype)
-                    d_weight[p] += np.matmul(z[:, p].T, xr, out=part.reshape(p.stop - p.start, x.shape[1]))
+                    d_weight[p] += np.matmul(z[:, p].T, xs, out=part.reshape(p.stop - p.start, x.shape[1]))
 
                 parallel(add_rows, vocab_pieces)
 
