@@ -1,6 +1,5 @@
 """Developer and CI entry points: `nox` runs the tests; `nox -l` lists every session."""
 
-import re
 import tomllib
 from pathlib import Path
 
@@ -95,7 +94,4 @@ def lint(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Install every package and run kiln's main job on the NumPy backend (no GPU needed)."""
     _install_editable(session)
-    # `kiln demo` arrives in a later issue; until then the main job is listing the plugins. Asking the
-    # CLI (its --help lists each subcommand on an indented line) keeps this right across that change.
-    usage = str(session.run("kiln", "--help", silent=True))
-    session.run("kiln", "demo" if re.search(r"^\s+demo\b", usage, re.M) else "plugins")
+    session.run("kiln", "demo")

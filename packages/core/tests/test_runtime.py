@@ -116,3 +116,36 @@ def test_planned_peak_is_the_arena_and_steps_allocate_almost_nothing() -> None:
     finally:
         tracemalloc.stop()
     assert peak - before < MiB, (peak - before) / MiB
+
+
+def _beyond_the_arena(model: Model, batch: dict[str, np.ndarray]) -> tuple[int, int]:
+    """(bytes still held, peak bytes) that steady-state training steps allocate outside the arena."""
+    model.train_step(batch)
+    model.train_step(batch)
+    before, _ = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    for _ in range(2):
+        model.train_step(batch)
+    after, peak = tracemalloc.get_traced_memory()
+    return after - before, peak - before
+
+
+def test_what_steps_allocate_beyond_the_arena_does_not_grow_with_the_batch() -> None:
+    """The kernels' temporaries are bounded by their block sizes and thread count (and kept scratch
+    is allocated once): four times the batch, four times the arena, the same few MiB beyond it."""
+    bundle = tiny_qwen3_bundle(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                               intermediate_size=128)
+    found = {}
+    tracemalloc.start()
+    try:
+        for b in (64, 256):
+            model = Model.from_ir(bundle, seed=0)
+            found[b] = (*_beyond_the_arena(model, random_batch(256, b, 64, seed=2)), model.arena_bytes)
+            del model
+    finally:
+        tracemalloc.stop()
+    (held_s, peak_s, arena_s), (held_l, peak_l, arena_l) = found[64], found[256]
+    assert arena_l > 3.5 * arena_s
+    assert held_s < 64 * 1024 and held_l < 64 * 1024, (held_s, held_l)
+    assert peak_l <= 1.1 * peak_s + 256 * 1024, (peak_s / MiB, peak_l / MiB)
+    assert peak_l < 8 * MiB < arena_l / 4, (peak_l / MiB, arena_l / MiB)

@@ -402,11 +402,22 @@ BLOCK_MACS = 1 << 21
 QUERY_ROWS = 256  # stacked query rows (rep * rows) per block
 
 
-def _pieces(b: int, hkv: int) -> list[tuple[slice, slice]]:
-    """Independent pieces of an attention: (batch range, kv head range), about four of them. The cut
-    depends on the shapes only."""
+#: bound on the elements of one piece's block of scores (its sequences x kv heads x stacked query
+#: rows x keys): a piece's temporaries stay this size whatever the batch
+PIECE_SCORES = 1 << 18
+
+
+def _pieces(b: int, tq: int, tk: int, hq: int, hkv: int, d: int) -> list[tuple[slice, slice]]:
+    """Independent pieces of an attention: (batch range, kv head range), about four of them, fewer
+    sequences each when their blocks of scores would exceed :data:`PIECE_SCORES`. The cut depends on
+    the shapes only."""
     if b > 1:
-        return [(slice(lo, hi), slice(0, hkv)) for lo, hi in chunks(b, max(1, b // 4))]
+        rep = max(1, hq // max(hkv, 1))
+        rows = max(1, QUERY_ROWS // rep)
+        width = max(8, BLOCK_MACS // (rows * rep * d))
+        per_seq = hkv * min(rows, tq) * rep * min(width, tk)
+        seqs = max(1, min(b // 4, PIECE_SCORES // max(per_seq, 1)))
+        return [(slice(lo, hi), slice(0, hkv)) for lo, hi in chunks(b, seqs)]
     return [(slice(0, b), slice(lo, hi)) for lo, hi in chunks(hkv, max(1, hkv // 4))]
 
 
@@ -459,7 +470,7 @@ def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         _attn_forward_piece(q[bs, :, qs], k[bs, :, hs], v[bs, :, hs], out[bs, :, qs], lse[bs, qs], causal,
                             softmax_scale, window_size, op)
 
-    parallel(piece, _pieces(q.shape[0], k.shape[2]))
+    parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
 
 def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
@@ -514,7 +525,7 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
                              None if d_lse is None else d_lse[bs, qs], dq[bs, :, qs], dk[bs, :, hs],
                              dv[bs, :, hs], causal, softmax_scale, window_size, op)
 
-    parallel(piece, _pieces(q.shape[0], k.shape[2]))
+    parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
 
 def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,

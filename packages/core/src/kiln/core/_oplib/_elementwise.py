@@ -650,10 +650,10 @@ OPS = [
     # creation
     OpDef("zeros", (), ("out",), lambda *, shape, dtype: np.zeros(shape, dtype), _creation_infer,
           backward=no_gradient, attrs=_CREATION_ATTRS, samples=_creation_samples(), cost=_creation_cost,
-          doc="A tensor of zeros."),
+          out_kernel=lambda *, out, shape, dtype: out[0].fill(0), doc="A tensor of zeros."),
     OpDef("ones", (), ("out",), lambda *, shape, dtype: np.ones(shape, dtype), _creation_infer,
           backward=no_gradient, attrs=_CREATION_ATTRS, samples=_creation_samples(), cost=_creation_cost,
-          doc="A tensor of ones."),
+          out_kernel=lambda *, out, shape, dtype: out[0].fill(1), doc="A tensor of ones."),
     OpDef("fill", (), ("out",), lambda *, shape, value, dtype: np.full(shape, value, dtype), _creation_infer,
           backward=no_gradient, attrs=(AttrSpec("shape", "dims"), AttrSpec("value", "float"),
                                        AttrSpec("dtype", "dtype", "fp32")),

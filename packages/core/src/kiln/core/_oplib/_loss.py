@@ -54,7 +54,7 @@ def _embedding_infer(ctx: InferContext) -> list[TensorType]:
 
 def _embedding_out(ids: np.ndarray, weight: np.ndarray, *, out: Outs) -> None:
     _check_ids("embedding", ids, weight.shape[0])
-    np.take(weight, ids, axis=0, out=out[0])
+    np.take(weight, ids, axis=0, out=out[0], mode="clip")  # ids checked; "raise" would buffer the result
 
 
 def _embedding_backward(d_out: np.ndarray, ids: np.ndarray, *, num_embeddings: int) -> np.ndarray:
@@ -68,13 +68,8 @@ def _embedding_backward_out(d_out: np.ndarray, ids: np.ndarray, *, out: Outs, nu
     dw = out[0]
     assert dw is not None
     dw[...] = 0
-    # repeated ids accumulate: sum each id's rows (in order of occurrence), then one scatter
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    ordered = flat[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    if starts.size:
-        dw[ordered[starts]] = np.add.reduceat(d_out.reshape(-1, d_out.shape[-1])[order], starts, axis=0)
+    # repeated ids accumulate, in order of occurrence (unbuffered: no copy of d_out's rows)
+    np.add.at(dw, ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
 
 
 def _embedding_backward_infer(ctx: InferContext) -> list[TensorType]:
