@@ -349,6 +349,22 @@ def test_every_mode_gives_the_no_recompute_gradients_bit_for_bit(make: Any, trai
             assert np.array_equal(grads[name], g), (recompute, budget, name)
 
 
+def test_auto_rebuilds_a_fused_norm_output_from_its_kept_sum_and_rstd() -> None:
+    """The replay variant: the fused residual + rmsnorm is not replayed (that would need its inputs);
+    its normalized output comes from the kept sum and rstd, bitwise as in the forward."""
+    bundle = ir_model()
+    plan = compile(bundle, bindings={"B": 2, "T": 6}, recompute="auto", recompute_budget=0.9).recompute
+    block = plan.block("Qwen3Block")
+    assert block is not None
+    rebuilt = [op for op in block.ops if op.op_type == "rmsnorm_apply_saved"]
+    assert [op.inputs for op in rebuilt] == [("res1", "attn_norm.rstd", "attn_norm.weight")]
+    assert {"res1", "attn_norm.rstd"} <= set(block.saved) and rebuilt[0].outputs[0] in block.recomputed
+    assert not any("res1" in op.outputs for op in block.ops)  # the sum is kept, not replayed
+    loss0, ref, _ = _grads(bundle, "full", "none", None)
+    loss, grads, _ = _grads(bundle, "full", "auto", 0.9)
+    assert loss == loss0 and all(np.array_equal(grads[k], ref[k]) for k in ref)
+
+
 @pytest.mark.parametrize("recompute", ["dsl", "auto", "block"])
 def test_recompute_ops_run_right_before_their_first_consumer(recompute: str) -> None:
     program = compile(with_lora(ir_model()), bindings={"B": 2, "T": 6}, mode="lora", recompute=recompute,
