@@ -52,7 +52,7 @@ def matmul_rate(library: str) -> float:
 
 
 RECOMPUTE = ("kiln:none", "kiln:auto", "kiln:block")
-#: the step-time overhead over no recompute each mode should stay within (issue [recompute], acc. 4)
+#: the step-time overhead over no recompute each mode should stay within (kiln's targets)
 OVERHEAD_TARGET = {"kiln:auto": 0.10, "kiln:block": 0.35}
 
 
