@@ -195,8 +195,8 @@ def _at(table: np.ndarray, position_ids: np.ndarray, i: int, r: slice) -> np.nda
 
 def _wide_tables(cos: np.ndarray, sin: np.ndarray, heads: int, d: int,
                  weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """RoPE as ``out = x * C + swap(x) * S`` over whole rows of ``heads`` heads (``[..., heads * d]``),
-    where ``swap`` exchanges each head's two rotary halves: ``C = [cos | cos | 1]``,
+    """RoPE as ``out = x * C + swap(x) * S`` over whole rows of ``heads`` heads (``[..., heads * d]``,
+    :func:`_rotate`), where ``swap`` exchanges each head's two rotary halves: ``C = [cos | cos | 1]``,
     ``S = [-sin | sin | 0]`` per head, times ``weight`` (C) and its swap (S) when a norm weight
     is folded in. Whole-row tables keep the ufunc loops long (the halves alone are short strided
     runs)."""
@@ -210,15 +210,21 @@ def _wide_tables(cos: np.ndarray, sin: np.ndarray, heads: int, d: int,
     return np.tile(c, heads), np.tile(s, heads)
 
 
-def _swap_halves(x: np.ndarray, out: np.ndarray, heads: int, h: int) -> np.ndarray:
-    """``out`` (rows ``[n, heads * d]``) = ``x`` with each head's halves [0, h) and [h, 2h) exchanged
-    (dims past 2h zeroed: their sine is 0)."""
+def _rotate(x: np.ndarray, c: np.ndarray, s: np.ndarray, out: np.ndarray, tmp: np.ndarray, heads: int,
+            h: int, inverse: bool = False) -> np.ndarray:
+    """``out = x * c + swap(x) * s`` (``-`` with ``inverse``) over rows ``[n, heads * d]``, where
+    ``swap`` exchanges each head's halves [0, h) and [h, 2h); ``tmp`` is scratch of x's shape."""
     n = x.shape[0]
-    x3, o3 = x.reshape(n, heads, -1), out.reshape(n, heads, -1)
-    o3[..., :h] = x3[..., h:2 * h]
-    o3[..., h:2 * h] = x3[..., :h]
-    if o3.shape[-1] > 2 * h:
-        o3[..., 2 * h:] = 0
+    x3, s3, t3 = x.reshape(n, heads, -1), s.reshape(n, heads, -1), tmp.reshape(n, heads, -1)
+    np.multiply(x3[..., h:2 * h], s3[..., :h], out=t3[..., :h])
+    np.multiply(x3[..., :h], s3[..., h:2 * h], out=t3[..., h:2 * h])
+    if t3.shape[-1] > 2 * h:
+        t3[..., 2 * h:] = 0  # the sine is 0 past the rotary dims
+    np.multiply(x, c, out=out)
+    if inverse:
+        out -= tmp
+    else:
+        out += tmp
     return out
 
 
@@ -244,10 +250,7 @@ def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: n
             x, o = qkv[i, r, cols], qkv_out[i, r, cols]
             n = x.shape[0]
             tmp = scratch("qkv_rope", n * heads * D, qkv.dtype).reshape(n, heads * D)
-            np.multiply(x, _at(c, position_ids, i, r), out=o)
-            _swap_halves(x, tmp, heads, h)
-            tmp *= _at(s, position_ids, i, r)
-            o += tmp
+            _rotate(x, _at(c, position_ids, i, r), _at(s, position_ids, i, r), o, tmp, heads, h)
             if w is None:
                 rstd[i, r] = 1
             else:
@@ -312,10 +315,8 @@ def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: n
             rows = r.stop - r.start
             dy2, g2 = dy[i, r].reshape(rows, heads * D), view(g[i, r], (rows, heads * D))
             tmp = scratch("qkv_rope", rows * heads * D, qkv.dtype).reshape(rows, heads * D)
-            np.multiply(dy2, _at(c, position_ids, i, r), out=g2)  # the inverse rotation: x C - swap(x) S
-            _swap_halves(dy2, tmp, heads, h)
-            tmp *= _at(s, position_ids, i, r)
-            g2 -= tmp
+            cr, sr = _at(c, position_ids, i, r), _at(s, position_ids, i, r)
+            _rotate(dy2, cr, sr, g2, tmp, heads, h, inverse=True)  # the inverse rotation
             if w is None:  # no norm: the rstd output is constant ones
                 grads[n, j] = 0
             else:

@@ -13,7 +13,7 @@ from kiln.core._dims import Const, Shape, dims_equal, parse_dim, parse_shape, si
 from kiln.core._ir import TensorType
 from kiln.core._oplib._common import check_same, randn, same_as
 from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample, no_gradient
-from kiln.core._threads import parallel, row_blocks
+from kiln.core._threads import parallel, row_blocks, scratch
 
 Array = npt.NDArray[np.floating[Any]]
 UInt = npt.NDArray[np.uint64]
@@ -260,13 +260,18 @@ def _silu_mul_backward_out(d: Array, gate: Array, up: Array, *, out: Sequence[Ar
 
 
 def _swiglu_out(x: Array, *, out: Sequence[Array]) -> None:
+    """``silu(gate) * up`` as ``a * (1 + tanh(a)) * up`` with ``a = gate / 2`` (equal to
+    ``gate * sigmoid(gate)``): five passes over a block, one transcendental, instead of seven."""
     x2, o = _rows2d(x), _rows2d(out[0])
     m = o.shape[1]
 
     def block(r: slice) -> None:
-        _sigmoid_into(x2[r, :m], o[r])
-        o[r] *= x2[r, :m]
-        o[r] *= x2[r, m:]
+        a = np.multiply(x2[r, :m], 0.5, out=o[r])
+        t = scratch("swiglu", a.size, a.dtype).reshape(a.shape)
+        np.tanh(a, out=t)
+        t += 1
+        a *= t
+        a *= x2[r, m:]
 
     _over_blocks(o, block)
 
