@@ -37,4 +37,4 @@ def kiln_cli_commands(register: Callable[..., Any]) -> None:
              "every weight or LoRA adapters",
              run=_run_train, configure=_configure_train)
     register("demo", help="train a tiny Qwen3 and a LoRA adapter on Python's own help texts, in ./kiln-demo "
-             "(no downloads, a few minutes on a CPU)", run=_run_demo)
+             "(no downloads, about a minute on a CPU)", run=_run_demo)
