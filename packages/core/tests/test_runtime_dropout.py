@@ -23,7 +23,7 @@ def test_layers_and_steps_get_disjoint_counter_ranges() -> None:
 def test_the_mask_changes_with_the_training_step() -> None:
     model = Model.from_ir(with_dropout(tiny_qwen3_bundle(num_layers=2), p=0.5), seed=0, dtype="float64")
     batch = random_batch(32, 2, 4)
-    model.loss(batch["input_ids"], batch["labels"])
+    model.loss(batch["input_ids"], batch["labels"], training=True)
     _, ex = model._bind("train", 2, 4)
     losses = []
     for step in (1, 1, 2):
@@ -43,9 +43,24 @@ def test_dropout_gradients_match_finite_differences_in_every_layer() -> None:
 
         def loss(x: np.ndarray, name: str = name) -> float:
             model.set_parameters({name: x})
-            return model.loss(batch["input_ids"], batch["labels"])
+            return model.loss(batch["input_ids"], batch["labels"], training=True)
 
         x = params[name].copy()
         fd = central_differences(loss, x)
         model.set_parameters({name: x})
         assert max_rel_error(grads[name], fd) <= 1e-6, name
+
+
+def test_loss_and_logits_are_in_eval_mode_dropout_off() -> None:
+    """As a model after ``model.eval()``: the same values as the model without its dropout op."""
+    bundle = tiny_qwen3_bundle(num_layers=2)
+    dropped = Model.from_ir(with_dropout(bundle, p=0.5), seed=0, dtype="float64")
+    plain = Model.from_ir(bundle, seed=0, dtype="float64")  # the same weights: dropout has none
+    batch = random_batch(32, 2, 5, seed=4)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert dropped.loss(ids, labels) == plain.loss(ids, labels)
+    np.testing.assert_array_equal(dropped.logits(ids), plain.logits(ids))
+    training = dropped.loss(ids, labels, training=True)
+    assert training != plain.loss(ids, labels)
+    assert training == dropped.loss_and_grads(ids, labels)[0]  # the loss the gradients are of
+    assert dropped.program(2, 5, task="eval").output == "loss"

@@ -131,12 +131,15 @@ def test_the_dsl_plan_replays_each_projection_with_its_lora_terms(bundle: Bundle
     assert "qkv" in full_plan.gated and "qkv" in full_plan.saved and "qkv" not in full_plan.recomputed
 
 
-def test_dropout_applies_in_training_not_in_logits(bundle: Bundle) -> None:
+def test_dropout_applies_in_training_not_in_eval(bundle: Bundle) -> None:
     drop, keep = peft_model(bundle, lora_dropout=0.3), peft_model(bundle)
     ids, labels = batch()
     np.testing.assert_array_equal(drop.logits(ids), keep.logits(ids))
-    assert drop.loss(ids, labels) != keep.loss(ids, labels)
-    assert drop.loss(ids, labels) == drop.loss(ids, labels)  # a mask is a function of its counters
+    assert drop.loss(ids, labels) == keep.loss(ids, labels)  # eval mode, as PEFT's model.eval()
+    training = drop.loss(ids, labels, training=True)
+    assert training != keep.loss(ids, labels, training=True)
+    assert training == drop.loss(ids, labels, training=True)  # a mask is a function of its counters
+    assert training == drop.loss_and_grads(ids, labels)[0]  # the loss the gradients are of
 
 
 def test_initialisation_follows_peft(bundle: Bundle) -> None:

@@ -169,10 +169,10 @@ class Model:
                                 f"found {lab.dtype} {list(lab.shape)}")
             if "targets" in ex.views:
                 np.copyto(ex.views["targets"], lab, casting="unsafe")
+            count = int(np.count_nonzero(lab != IGNORE_INDEX))
             seed = ex.views.get("d_loss")
             if seed is not None:  # d(mean loss)/d(per-token loss) = mask / count
                 np.not_equal(lab.reshape(seed.shape), IGNORE_INDEX, out=seed, casting="unsafe")
-                count = int(np.count_nonzero(seed))
                 seed /= max(count, 1)
         return ex, count
 
@@ -182,15 +182,18 @@ class Model:
     # -- running
 
     def logits(self, input_ids: Any) -> np.ndarray:
-        """Logits ``[batch, seq, vocab]`` (the LM-head loss replaced by a matmul with its weight)."""
+        """Logits ``[batch, seq, vocab]`` (the LM-head loss replaced by a matmul with its weight), in
+        eval mode: dropout is off."""
         ex, _ = self._feed("logits", input_ids)
         ex.run(("forward",))
         out: np.ndarray = ex.views["logits"].reshape(*np.shape(input_ids), -1).copy()
         return out
 
-    def loss(self, input_ids: Any, labels: Any) -> float:
-        """The mean loss over the positions not ignored (forward only)."""
-        ex, count = self._feed("train", input_ids, labels)
+    def loss(self, input_ids: Any, labels: Any, *, training: bool = False) -> float:
+        """The mean loss over the positions not ignored (forward only). In eval mode, as HF's
+        ``model.eval()``: dropout is off. ``training=True`` gives the loss that :meth:`loss_and_grads`
+        differentiates, dropout on, with the same masks."""
+        ex, count = self._feed("train" if training else "eval", input_ids, labels)
         ex.run(("forward",))
         return self._loss(ex, count)
 

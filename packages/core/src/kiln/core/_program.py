@@ -37,7 +37,7 @@ from kiln.core._ops import Cost, InferContext, OpRegistry
 from kiln.core.recompute import BlockContext, BlockPlan, PlanContext, RecomputePlan, plan_recompute
 
 TRAINING_MODES = ("full", "lora")
-TASKS = ("train", "logits")
+TASKS = ("train", "eval", "logits")
 DTYPES = ("float32", "float64")
 ALIGN = 64  # bytes; every slot starts at a multiple
 PHASES = ("forward", "backward", "optimizer")
@@ -187,6 +187,17 @@ def _resolve(module_ir: Bundle | Module,
     return model, mods
 
 
+def _inference(module: Module) -> Module:
+    """``module`` as inference runs it (a model in eval mode): each dropout op passes its input on, as
+    an alias of the same storage (``contiguous``), so it costs nothing."""
+    g = module.forward
+    if g is None or not any(op.type == "dropout" for op in g.ops):
+        return module
+    ops = [Op("contiguous", op.inputs[:1], op.outputs[:1], loc=op.loc) if op.type == "dropout" else op
+           for op in g.ops]
+    return attrs.evolve(module, forward=attrs.evolve(g, ops=ops))
+
+
 def _choice(what: str, value: str, valid: Sequence[str]) -> None:
     if value not in valid:
         raise KilnError(f"{what}={value!r} is not valid; expected one of {', '.join(map(repr, valid))}")
@@ -230,7 +241,8 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``).
 
     ``task="train"`` schedules forward, backward and (with ``optimizer="adamw"``) the update;
-    ``task="logits"`` schedules the forward with the LM-head loss replaced by its logits. ``dtype``
+    ``task="eval"`` the forward and its loss, ``task="logits"`` the forward with the LM-head loss
+    replaced by its logits; both are inference, as a model in eval mode: dropout is off. ``dtype``
     is the float type float tensors compute in. Weights, gradients and optimizer state are laid out
     the same way for every task and binding, so all Programs of a model can share one arena.
     ``recompute``: ``none``, ``dsl``, ``auto`` or ``block`` (see :mod:`kiln.core.recompute`);
@@ -247,6 +259,8 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
         raise KilnError(f"optimizer={optimizer!r} is not valid; expected 'adamw' or None")
     get_registry("backends")[backend]  # an unknown backend fails here, naming the plugin to install
     model, mods = _resolve(module_ir, modules)
+    if task != "train":
+        model, mods = _inference(model), {k: _inference(m) for k, m in mods.items()}
     if registry is None:
         from kiln.core._oplib import op_registry
 
@@ -265,7 +279,7 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     program = Program(
         name=model.name, backend=backend, task=task, mode=mode, dtype=dtype, bindings=FrozenDict(binds),
         steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots), params=tuple(s.param_infos()),
-        persistent_bytes=persistent, arena_bytes=arena, output="loss" if task == "train" else "logits",
+        persistent_bytes=persistent, arena_bytes=arena, output="logits" if task == "logits" else "loss",
         recompute=plan, passes=(("schedule", t1 - t0 - plan.seconds), ("plan_recompute", plan.seconds),
                                 ("plan_memory", t2 - t1)),
     )

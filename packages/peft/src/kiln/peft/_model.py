@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kiln.core import KilnError, Model
@@ -41,8 +40,9 @@ class PeftModel(Model):
 
     Made by :func:`get_peft_model` or :meth:`from_pretrained`. It trains in LoRA mode (recompute slots
     with a ``lora_only`` policy are recomputed, ``fft_only`` ones saved): only the adapters have
-    gradients and optimizer state. LoRA dropout applies in training (``loss``, ``loss_and_grads``,
-    ``train_step``) and not in ``logits``, as in PEFT's train and eval modes. ``loss_and_grads``
+    gradients and optimizer state. LoRA dropout applies in training (``loss_and_grads``,
+    ``train_step``, ``loss(training=True)``) and not in ``loss`` or ``logits``, as in PEFT's train and
+    eval modes. ``loss_and_grads``
     keys gradients by PEFT's file names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``);
     ``parameters()`` and ``set_parameters()`` keep kiln's names (``blocks.0.qkv_weight.q.lora_A``).
 
@@ -59,9 +59,6 @@ class PeftModel(Model):
         if not isinstance(config, LoraConfig):
             raise KilnError(f"expected a kiln.peft.LoraConfig, found {type(config).__name__}")
         bundle, self.sites = apply(_bundle(model), config, trainable=is_trainable)
-        # logits are inference, as in PEFT's eval mode: their Programs come from the IR without dropout
-        self._inference_ir = apply(_bundle(model), attrs.evolve(config, lora_dropout=0.0),
-                                   trainable=is_trainable)[0] if config.lora_dropout else None
         self.peft_config = {"default": config}
         self._base = model
         self._names = {kiln: peft for s in self.sites for kiln, peft, _ in s.tensors()}
@@ -76,15 +73,6 @@ class PeftModel(Model):
         config = self.peft_config["default"]
         self.set_parameters({key: _draw(rng, init_spec(config, s, ab), s.shape(ab))
                              for s in self.sites for key, _, ab in s.tensors()})
-
-    def _bind(self, task: str, batch: int, seq: int) -> tuple[Any, Any]:
-        if task != "logits" or self._inference_ir is None:
-            return super()._bind(task, batch, seq)
-        train_ir, self.ir = self.ir, self._inference_ir
-        try:
-            return super()._bind(task, batch, seq)
-        finally:
-            self.ir = train_ir
 
     @classmethod
     def from_pretrained(cls, model: Model, model_id: str | Path, *, is_trainable: bool = False,
