@@ -136,6 +136,14 @@ def test_llama_defaults_and_unsupported_options() -> None:
     assert [e["code"] for e in compile_model("LlamaModel", {**TINY, "mlp_bias": True})["errors"]] == ["E027"]
 
 
+@pytest.mark.parametrize("name", ["LlamaModel", "Qwen3Model", "Qwen3MoEModel"])
+def test_query_heads_must_group_over_the_kv_heads(name: str) -> None:
+    errors = compile_model(name, {**TINY, "num_query_heads": 3, "num_kv_heads": 2})["errors"]
+    assert [e["code"] for e in errors] == ["E027"]
+    assert "multiple of num_kv_heads" in errors[0]["message"]
+    assert not compile_model(name, {**TINY, "num_query_heads": 4, "num_kv_heads": 2})["errors"]
+
+
 def test_attention_bias_also_biases_the_output_projection() -> None:
     block = build_bundle("LlamaModel", {**TINY, "use_qkv_bias": True}).module("DenseTransformerBlock")
     params = {p.name: p for p in block.params}

@@ -91,7 +91,9 @@ class _CausalLM:
     loss = Activation(Tensor["B * T"], dtype="fp32", scope="global")
 
     _constraints_ = (("rope_is_default", "scaled RoPE (a rope_type other than 'default') is not supported: "
-                      "kiln computes the rotary angles from rope_theta"),)
+                      "kiln computes the rotary angles from rope_theta"),
+                     ("num_query_heads % num_kv_heads == 0", "num_query_heads must be a multiple of "
+                      "num_kv_heads: each kv head serves a group of query heads"))
 
     def _configure(self, args: dict[str, Any]) -> None:
         """The constructor's arguments become attributes, which the blocks' constructors read by name.
