@@ -27,7 +27,7 @@ from kiln.hf import (
     train_bpe_tokenizer,
 )
 from kiln.hf._progress import Progress
-from kiln.hf._train import _scratch_bundle
+from kiln.hf._train import _scratch_bundle, replay_step
 
 TINY = {"d_model": 16, "n_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_size": 8, "d_ff": 32}
 
@@ -216,6 +216,45 @@ def test_non_finite_loss_stops_and_debug_nans_names_the_op(tmp_path: Path, corpu
     message = str(info.value)
     assert f"at step {step};" in message
     assert "the first non-finite value comes from op '" in message and "program step" in message, message
+
+
+def _with_dropout(bundle: Any) -> Any:
+    """Dropout (counter-based) on each layer's attention output, before the residual add."""
+    from kiln.core.ir import Op
+
+    block = bundle.module("DenseTransformerBlock")
+    ops = []
+    for op in block.forward.ops:
+        if op.type == "fused_residual_rmsnorm" and op.inputs[1] == "att_out":
+            ops.append(Op("dropout", ["att_out"], ["att_out_drop"], {"p": 0.4, "seed": 11, "offset": 3}))
+            op = op.evolve(inputs=(op.inputs[0], "att_out_drop", op.inputs[2]))
+        ops.append(op)
+    block = block.evolve(forward=block.forward.evolve(ops=ops))
+    return bundle.evolve(modules=[block if m.name == block.name else m for m in bundle.modules])
+
+
+def test_the_debug_replay_draws_the_dropout_masks_of_its_step() -> None:
+    """--debug-nans replays the failing step with reference kernels: its dropout masks must be that
+    step's (moved by layer and step), or a NaN that one mask produced would not show up again."""
+    from kiln.dsl import build_bundle
+
+    bundle = _with_dropout(build_bundle("Qwen3Model", {
+        "vocab_size": 32, "d_model": 16, "n_layers": 2, "num_query_heads": 2, "num_kv_heads": 1,
+        "head_size": 8, "d_ff": 24, "max_seq": 8}))
+    model = Model.from_ir(bundle, seed=0, dtype="float64")
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, 32, (2, 6)), "labels": rng.integers(0, 32, (2, 6))}
+    for _ in range(2):
+        model.train_step(batch)
+    before = model.parameters()
+    third = model.train_step(batch)["loss"]  # training step 3, from `before`
+
+    def replayed(step: int) -> float:
+        loss = next(v for _, k, v in replay_step(model, batch, before, step) if k == "loss")
+        return float(np.sum(loss)) / batch["labels"].size
+
+    assert replayed(3) == pytest.approx(third, rel=1e-9)
+    assert replayed(2) != pytest.approx(third, rel=1e-6)  # another step's masks: another loss
 
 
 def test_a_data_set_too_small_for_one_batch(tmp_path: Path, corpus: Path) -> None:

@@ -15,7 +15,7 @@ from kiln.core._gradcheck import GradReport, check_op
 from kiln.core._hookspecs import hookimpl
 from kiln.core._ir import TensorType
 from kiln.core._model import Model
-from kiln.core._numpy_backend import NumpyBackend
+from kiln.core._numpy_backend import NumpyBackend, counter_offset
 from kiln.core._ops import (
     AttrSpec,
     BackwardContext,
@@ -78,6 +78,7 @@ __all__ = [
     "Program",
     "RecomputePlan",
     "Sample",
+    "counter_offset",
     "Slot",
     "Step",
     "Tensor",

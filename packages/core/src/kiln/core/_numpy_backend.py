@@ -206,5 +206,7 @@ class Executable:
 
 
 def counter_offset(base: int, layer: int, step: int) -> int:
-    """The counter offset of a random op's ``base`` offset in ``layer`` at training ``step``."""
+    """The counter offset a random op (dropout) with attribute ``offset=base`` runs with in ``layer`` at
+    training ``step``: 2**32 counters per layer, 2**12 layers per step, so every layer and step draws its
+    own mask (the NumPy backend's rule; a replay of a step outside it must apply it too)."""
     return base + (layer << 32) + (step << 44)

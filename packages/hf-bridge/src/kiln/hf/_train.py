@@ -517,10 +517,13 @@ def plan_summary(model: Any, batch: int, seq: int) -> str:
     return "\n".join(lines)
 
 
-def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray]) -> str:
-    """Replay one training step op by op, from ``parameters``, in the order of its Program, with the
-    ops' reference kernels and a fresh array per tensor; name the first op whose output is not finite."""
-    from kiln.core import op_registry
+def replay_step(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray],
+                step: int = 1) -> Iterator[tuple[Any, str, np.ndarray]]:
+    """Replay training step number ``step`` op by op, from ``parameters``, in the order of its Program,
+    with the ops' reference kernels and a fresh array per tensor (random ops draw the masks that step
+    drew): ``(program step, tensor name, value)`` for every output of the forward and backward.
+    Raises KeyError naming a tensor the replay has no value for."""
+    from kiln.core import counter_offset, op_registry
 
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
     prog, registry = model.program(*ids.shape), op_registry()
@@ -531,29 +534,41 @@ def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[st
     for name, value in feeds.items():
         if name in tensors:
             env[name] = np.asarray(value).astype(tensors[name].dtype).reshape(tensors[name].shape)
-    for step in prog.steps:
-        if step.phase == "optimizer":
-            break
-        try:
-            ins = [env[k] if k else None for k in step.inputs]
-        except KeyError as e:
-            return f"the replay stopped at program step {step.index} ({step.op.type}): no value for {e}"
-        if step.how in ("alias", "copy"):
-            outs: Sequence[Any] = [np.reshape(ins[0], tensors[step.outputs[0]].shape)]
+    for st in prog.steps:
+        if st.phase == "optimizer":
+            return
+        ins = [env[k] if k else None for k in st.inputs]
+        if st.how in ("alias", "copy"):
+            outs: Sequence[Any] = [np.reshape(ins[0], tensors[st.outputs[0]].shape)]
         else:
-            res = registry.get_op(step.op.type).kernel(*ins, **dict(step.attrs))
+            op, attrs = registry.get_op(st.op.type), dict(st.attrs)
+            if op.random and "offset" in attrs:
+                attrs["offset"] = counter_offset(int(attrs["offset"]), st.layer or 0, step)
+            res = op.kernel(*ins, **attrs)
             outs = res if isinstance(res, (tuple, list)) else (res,)
-        for key, value in zip(step.outputs, outs, strict=False):
-            if not key:
-                continue
-            env[key] = arr = np.asarray(value)
-            if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
-                layer = "" if step.layer is None else f", layer {step.layer}"
-                bad = arr.size - int(np.isfinite(arr).sum())
-                return (f"the first non-finite value comes from op {step.op.type!r} (program step "
-                        f"{step.index}, {step.phase}{layer}): {bad} of the {arr.size} values of {key!r} are "
-                        "NaN or infinite, while every input of the op is finite")
-    return "replaying the step op by op found no non-finite value in its forward and backward"
+        for key, value in zip(st.outputs, outs, strict=False):
+            if key:
+                env[key] = np.asarray(value)
+                yield st, key, env[key]
+
+
+def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray],
+                    step: int = 1) -> str:
+    """Replay training step ``step`` (:func:`replay_step`); name the first op whose output is not finite."""
+    replay = replay_step(model, batch, parameters, step)
+    while True:
+        try:
+            st, key, arr = next(replay)
+        except StopIteration:
+            return "replaying the step op by op found no non-finite value in its forward and backward"
+        except KeyError as e:
+            return f"the replay stopped: no value for {e}"
+        if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+            layer = "" if st.layer is None else f", layer {st.layer}"
+            bad = arr.size - int(np.isfinite(arr).sum())
+            return (f"the first non-finite value comes from op {st.op.type!r} (program step "
+                    f"{st.index}, {st.phase}{layer}): {bad} of the {arr.size} values of {key!r} are "
+                    "NaN or infinite, while every input of the op is finite")
 
 
 # -- the run
@@ -783,7 +798,7 @@ class _Run:
             return TrainingError(message, hint="run again with --resume --debug-nans to find the first op "
                                                "that produced a non-finite value")
         with np.errstate(all="ignore"):
-            return TrainingError(f"{message}\n{first_nonfinite(self.model, batch, before)}")
+            return TrainingError(f"{message}\n{first_nonfinite(self.model, batch, before, self.model.step)}")
 
     def run(self) -> dict[str, Any]:
         found = _checkpoint.checkpoints(self.ckpts)
