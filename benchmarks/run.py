@@ -112,19 +112,31 @@ def machine() -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def _warm(sides: dict[str, Side], steps: int) -> None:
+    for _ in range(steps):
+        for side in sides.values():
+            side.ask("step")
+
+
+def _timed(sides: dict[str, Side], rounds: int) -> tuple[dict[str, list[float]], float]:
+    """Each side's step times, one step of each per round; and the share of the machine's CPU time
+    that other processes used meanwhile."""
+    pids = [side.proc.pid for side in sides.values()]
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    before = _cpu_ticks(pids)
+    for _ in range(rounds):
+        for s, side in sides.items():
+            times[s].append(side.ask("step")["seconds"])
+    after = _cpu_ticks(pids)
+    return times, ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1)
+
+
 def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     sides = {s: Side(s, config) for s in SIDES}
     try:
-        for _ in range(warmup):
-            for s in SIDES:
-                sides[s].ask("step")
+        _warm(sides, warmup)
         rates = {lib: [matmul_rate(lib)] for lib in LIBRARIES.values()}
-        times: dict[str, list[float]] = {s: [] for s in SIDES}
-        before = _cpu_ticks([side.proc.pid for side in sides.values()])
-        for _ in range(rounds):
-            for s in SIDES:
-                times[s].append(sides[s].ask("step")["seconds"])
-        after = _cpu_ticks([side.proc.pid for side in sides.values()])
+        times, foreign = _timed(sides, rounds)
         memory = {s: sides[s].ask("memory") for s in SIDES}
         for lib, found in rates.items():
             found.append(matmul_rate(lib))
@@ -137,7 +149,7 @@ def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     peak_rate = max(best.values())
     result: dict[str, Any] = {
         "config": config, "shape": CONFIGS[config], "rounds": rounds, "warmup": warmup,
-        "foreign_cpu": ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1),
+        "foreign_cpu": foreign,
         "model_gflop_per_step": flops / 1e9, "matmul_gflops": best, "machine_gflops": peak_rate,
         "ratio": statistics.median(k / h for k, h in zip(times["kiln"], times["hf"], strict=True)),
         "info": info, "sides": {},
@@ -155,15 +167,8 @@ def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     """kiln's step time and planned activations per recompute mode, interleaved."""
     sides = {s: Side(s, config) for s in RECOMPUTE}
     try:
-        for _ in range(warmup):
-            for s in RECOMPUTE:
-                sides[s].ask("step")
-        times: dict[str, list[float]] = {s: [] for s in RECOMPUTE}
-        before = _cpu_ticks([side.proc.pid for side in sides.values()])
-        for _ in range(rounds):
-            for s in RECOMPUTE:
-                times[s].append(sides[s].ask("step")["seconds"])
-        after = _cpu_ticks([side.proc.pid for side in sides.values()])
+        _warm(sides, warmup)
+        times, foreign = _timed(sides, rounds)
         planned = {s: sides[s].ask("memory")["planned"] for s in RECOMPUTE}
     finally:
         for side in sides.values():
@@ -182,8 +187,7 @@ def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
             "saved_share": planned[s]["saved_activations"] / base["saved_activations"],
             "activation_share": activations(planned[s]) / activations(base), "planned": planned[s],
         }
-    return {"config": config, "rounds": rounds, "warmup": warmup, "modes": modes,
-            "foreign_cpu": ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1)}
+    return {"config": config, "rounds": rounds, "warmup": warmup, "modes": modes, "foreign_cpu": foreign}
 
 
 def report_recompute(r: dict[str, Any]) -> list[str]:
