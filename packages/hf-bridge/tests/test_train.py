@@ -27,7 +27,7 @@ from kiln.hf import (
     train_bpe_tokenizer,
 )
 from kiln.hf._progress import Progress
-from kiln.hf._train import _scratch_bundle, replay_step
+from kiln.hf._train import _save_model, _scratch_bundle, replay_step
 
 TINY = {"d_model": 16, "n_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_size": 8, "d_ff": 32}
 
@@ -216,6 +216,29 @@ def test_non_finite_loss_stops_and_debug_nans_names_the_op(tmp_path: Path, corpu
     message = str(info.value)
     assert f"at step {step};" in message
     assert "the first non-finite value comes from op '" in message and "program step" in message, message
+
+
+def test_a_moe_model_built_from_the_dsl_round_trips_through_a_hf_checkpoint(tmp_path: Path) -> None:
+    """kiln train saves a model it trained from scratch as a HF checkpoint: the DSL's weight mappings
+    inverted (stacked experts become one tensor per expert, [gate | up] split); from_pretrained,
+    which applies them forwards, must read back the same parameters and logits."""
+    from kiln.dsl import build_bundle
+
+    bundle = build_bundle("Qwen3MoEModel", {
+        "vocab_size": 48, "d_model": 16, "n_layers": 3, "num_query_heads": 2, "num_kv_heads": 1,
+        "head_size": 8, "d_ff": 24, "max_seq": 8, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_d_ff": 12, "mlp_only_layers": [0]})
+    model = Model.from_ir(bundle, seed=3)
+    _save_model(model, tmp_path / "model", bundle)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
+    loaded = from_pretrained(tmp_path / "model")
+    mine, theirs = model.parameters(), loaded.parameters()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        np.testing.assert_array_equal(theirs[name], mine[name], err_msg=name)
+    ids = np.random.default_rng(0).integers(0, 48, (2, 8))
+    np.testing.assert_array_equal(loaded.logits(ids), model.logits(ids))
 
 
 def _with_dropout(bundle: Any) -> Any:

@@ -464,6 +464,16 @@ def _scratch_tensors(bundle: Any, params: Mapping[str, np.ndarray]) -> dict[str,
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=dim)
             for source, part in zip(spec["sources"], parts, strict=True):
                 emit(source, part, entry)
+        elif kind == "stack_experts":  # [experts, rows, cols]: one tensor per expert ([gate | up] split)
+            pattern, up = spec["pattern"], spec.get("up_pattern")
+            each = [(str(i), arr[i]) for i in range(arr.shape[0])] if "{expert}" in pattern else [("", arr)]
+            for i, part in each:
+                if spec.get("fuse_gate_up") and up is not None:
+                    half = part.shape[-2] // 2
+                    emit(pattern.replace("{expert}", i), part[..., :half, :], entry)
+                    emit(up.replace("{expert}", i), part[..., half:, :], entry)
+                else:
+                    emit(pattern.replace("{expert}", i), part, entry)
         elif kind != "tied_to":  # a tied parameter is written through its target
             raise KilnError(f"kiln parameter {entry.param!r}: exporting a {kind!r} weight mapping of a model "
                             "trained from scratch is not supported")
