@@ -22,12 +22,13 @@ from kiln.hf import (
     from_pretrained,
     load_tokenizer,
     load_train_config,
+    save_pretrained,
     save_tokenizer,
     train,
     train_bpe_tokenizer,
 )
 from kiln.hf._progress import Progress
-from kiln.hf._train import _save_model, _scratch_bundle, replay_step
+from kiln.hf._train import _scratch_bundle, replay_step
 
 TINY = {"d_model": 16, "n_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_size": 8, "d_ff": 32}
 
@@ -229,7 +230,8 @@ def test_a_moe_model_built_from_the_dsl_round_trips_through_a_hf_checkpoint(tmp_
         "head_size": 8, "d_ff": 24, "max_seq": 8, "num_experts": 4, "num_experts_per_tok": 2,
         "moe_d_ff": 12, "mlp_only_layers": [0]})
     model = Model.from_ir(bundle, seed=3)
-    _save_model(model, tmp_path / "model", bundle)
+    written = save_pretrained(model, tmp_path / "model")
+    assert sorted(p.name for p in written) == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 4
     loaded = from_pretrained(tmp_path / "model")
@@ -239,6 +241,19 @@ def test_a_moe_model_built_from_the_dsl_round_trips_through_a_hf_checkpoint(tmp_
         np.testing.assert_array_equal(theirs[name], mine[name], err_msg=name)
     ids = np.random.default_rng(0).integers(0, 48, (2, 8))
     np.testing.assert_array_equal(loaded.logits(ids), model.logits(ids))
+
+
+def test_save_pretrained_names_a_model_without_a_hf_layout(tmp_path: Path) -> None:
+    """A model with no @hf_config (the DSL's Qwen3 with its HF declaration removed) has no layout."""
+    from kiln.dsl import build_bundle
+
+    bundle = build_bundle("Qwen3Model", {"vocab_size": 32, "d_model": 16, "n_layers": 1, "num_query_heads": 2,
+                                         "num_kv_heads": 1, "head_size": 8, "d_ff": 24, "max_seq": 8})
+    entry = bundle.module(bundle.entry).evolve(hf_config=None)
+    bundle = bundle.evolve(modules=[entry if m.name == entry.name else m for m in bundle.modules])
+    with pytest.raises(KilnError, match="'Qwen3Model' declares no HF architecture"):
+        save_pretrained(Model.from_ir(bundle), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def _with_dropout(bundle: Any) -> Any:

@@ -9,7 +9,14 @@ from kiln.hf._pretrained import PretrainedModel, from_pretrained, shift_labels
 from kiln.hf._rope import ROPE_TYPES, rope_inv_freq, rope_parameters, rope_table
 from kiln.hf._safetensors import Checkpoint, TensorInfo, open_checkpoint, parse_size, save_checkpoint
 from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_bpe_tokenizer
-from kiln.hf._train import TrainConfig, TrainConfigError, TrainingError, load_train_config, train
+from kiln.hf._train import (
+    TrainConfig,
+    TrainConfigError,
+    TrainingError,
+    load_train_config,
+    save_pretrained,
+    train,
+)
 
 __version__ = version("kiln-hf")
 
@@ -37,6 +44,7 @@ __all__ = [
     "rope_parameters",
     "rope_table",
     "save_checkpoint",
+    "save_pretrained",
     "save_tokenizer",
     "shift_labels",
     "train",

@@ -483,15 +483,29 @@ def _scratch_tensors(bundle: Any, params: Mapping[str, np.ndarray]) -> dict[str,
     return out
 
 
-def _save_model(model: Any, folder: Path, bundle: Any) -> None:
-    """The trained model as a HF checkpoint folder (``config.json`` and ``model.safetensors``)."""
-    if hasattr(model, "save_pretrained"):  # loaded by from_pretrained: its own mappings write it
-        model.save_pretrained(folder, dtype="float32")
-        return
+def save_pretrained(model: Any, path: str | Path) -> list[Path]:
+    """Write a kiln :class:`~kiln.core.Model` built from a kiln-dsl model that declares a HF architecture
+    (``@hf_config``) as a HF checkpoint folder: ``config.json`` and float32 ``model.safetensors``,
+    which ``transformers``' ``from_pretrained`` (and kiln's) read. The DSL's weight mappings are applied
+    in reverse (fused tensors split, stacked experts written one per expert). A model that has its
+    own ``save_pretrained`` (loaded by :func:`from_pretrained`; a PEFT model, whose adapter it writes)
+    saves itself. Returns the files written."""
+    folder = Path(path)
+    if hasattr(model, "save_pretrained"):
+        written: list[Path] = model.save_pretrained(folder, **({} if hasattr(model, "peft_config") else
+                                                              {"dtype": "float32"}))
+        return written
+    bundle = model.ir
+    entry = bundle.module(bundle.entry) if hasattr(bundle, "entry") else bundle
+    if not getattr(entry, "hf_config", None):
+        raise KilnError(f"model {entry.name!r} declares no HF architecture (kiln-dsl's @hf_config), so it "
+                        "has no HF checkpoint layout")
     from kiln.hf import save_checkpoint
 
-    save_checkpoint(folder, _scratch_tensors(bundle, model.parameters()))
+    files = save_checkpoint(folder, _scratch_tensors(bundle, model.parameters()))
     (folder / "config.json").write_text(json.dumps(hf_config_of(bundle), indent=2) + "\n", encoding="utf-8")
+    return [*files, folder / "config.json"]
+
 
 
 # -- reports
@@ -899,8 +913,8 @@ class _Run:
         if self.mode == "lora":
             out = summary["adapter"] = _replace_dir(self.dir / "adapter", self.model.save_pretrained)
         else:
-            out = summary["model"] = _replace_dir(self.dir / "model",
-                                                  lambda d: _save_model(self.model, d, self.bundle))
+            model = self.model
+            out = summary["model"] = _replace_dir(self.dir / "model", lambda d: save_pretrained(model, d))
         save_tokenizer(tokenizer, out, eos_token=eos)
         before, after = summary["eval_loss_before"], summary["eval_loss_after"]
         if before is not None and after is not None:
