@@ -54,13 +54,13 @@ class Executable:
         }
         self.opt: AdamW = AdamW()
         self.hyper: dict[str, Any] = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0}
+        closures = [(step, self._closure(step)) for step in program.steps]
         self.runs: dict[str, list[Callable[[], None]]] = {}
-        for step in program.steps:
-            fn = self._closure(step)
+        for step, fn in closures:
             if fn is not None:
                 self.runs.setdefault(step.phase, []).append(fn)
         #: forward + backward with the LM head's two steps run as one (see :meth:`_fused_head`)
-        self.train_runs = self._fused_head()
+        self.train_runs = self._fused_head(closures)
 
     def run(self, phases: Iterable[str] = ("forward", "backward", "optimizer"), *, opt: AdamW | None = None,
             step: int = 1) -> dict[str, float]:
@@ -79,7 +79,8 @@ class Executable:
                     fn()
         return {k: float(self.hyper[k]) for k in ("grad_norm", "lr", "scale")}
 
-    def _fused_head(self) -> list[Callable[[], None]] | None:
+    def _fused_head(self, closures: Sequence[tuple[Step, Callable[[], None] | None]]
+                    ) -> list[Callable[[], None]] | None:
         """The forward and backward closures with the LM-head loss and its backward fused, or None.
 
         The forward's last step is the LM-head loss and the backward's first is its backward, seeded
@@ -114,9 +115,9 @@ class Executable:
             fused_lm_head_loss_and_grad(d_loss, x, weight, targets, loss=loss, lse=lse, d_x=d_x, d_weight=d_w,
                                         ignore_index=ignore)
 
-        fused = [self._closure(s) for s in self.program.steps if s.phase == "forward" and s is not fwd]
+        fused = [fn for s, fn in closures if s.phase == "forward" and s is not fwd]
         fused.append(head)
-        fused += [self._closure(s) for s in self.program.steps if s.phase == "backward" and s is not bwd]
+        fused += [fn for s, fn in closures if s.phase == "backward" and s is not bwd]
         return [fn for fn in fused if fn is not None]
 
     # -- closures
