@@ -12,24 +12,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kiln_core_tiny import tiny_qwen3_bundle
 
+import kiln.core
+from kiln.core import OpDef, OpRegistry, PluginSession, TensorType
 from kiln.core._cli import main
-from kiln.core._errors import KilnError, PluginError
+from kiln.core._errors import KilnError, KilnWarning, PluginError
 from kiln.core._hookspecs import hookimpl
-from kiln.core._plugins import contribute, get_registry, list_plugins, register_plugin, reset_plugins
-from kiln.core._registry import NamedRegistry, PluginInfo
+from kiln.core._plugins import (
+    failed_plugins,
+    get_registry,
+    list_plugins,
+    plugin_session,
+    register_plugin,
+    reset_plugins,
+)
+from kiln.core._registry import KINDS, NamedRegistry, PluginInfo, RegistryKind, declare_kind
+from kiln.core.recompute import plan_context, plan_recompute
 
 AUTOLOAD = "KILN_DISABLE_PLUGIN_AUTOLOAD"
 CORE_VERSION = importlib.metadata.version("kiln-core")
 
 
 @pytest.fixture(autouse=True)
-def core_only(monkeypatch: pytest.MonkeyPatch) -> Any:
+def core_only(monkeypatch: pytest.MonkeyPatch, fresh_plugins: PluginSession) -> None:
+    # A session loads its plugins on first use, so the environment set here (and by fake_dist) counts.
     monkeypatch.setenv(AUTOLOAD, "1")
     monkeypatch.delenv("KILN_DEBUG", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
 
 
 @pytest.fixture
@@ -66,6 +75,14 @@ def _backends(*names: str) -> types.SimpleNamespace:
     return _plugin(kiln_register_backends=kiln_register_backends)
 
 
+def _same(ctx: Any) -> list[TensorType]:
+    return [TensorType(ctx.shape(0), ctx.dtype(0))]
+
+
+def _names(infos: list[PluginInfo]) -> list[str]:
+    return [p.name for p in infos]
+
+
 # --- registries -------------------------------------------------------------------------------------
 
 
@@ -94,19 +111,14 @@ def test_duplicate_names_both_plugins() -> None:
     assert reg["p"] == 1
 
 
-def test_duplicate_across_distributions_names_both(fake_dist: Any) -> None:
-    src = """
-        import pluggy
-        @pluggy.HookimplMarker("kiln")
-        def kiln_register_backends(registry):
-            registry.register("shared", object())
-    """
-    fake_dist("kiln-demo-dup-a", src, version="1.0")
-    fake_dist("kiln-demo-dup-b", src, version="2.0")
-    with pytest.raises(PluginError) as err:
-        get_registry("backends")
-    assert "kiln-demo-dup-a 1.0" in str(err.value) and "kiln-demo-dup-b 2.0" in str(err.value)
-    assert err.value.distribution == "kiln-demo-dup-b"
+def test_remove_owner_takes_out_every_entry_of_one_plugin() -> None:
+    mine, other = PluginInfo("mine", "kiln-mine", "1.0", "m"), PluginInfo("other", None, None, "o")
+    reg: NamedRegistry[int] = NamedRegistry("graph_passes")
+    reg.register("a", 1, plugin=mine)  # type: ignore[arg-type]
+    reg.register("b", 2, plugin=other)  # type: ignore[arg-type]
+    reg.register("c", 3, plugin=mine)  # type: ignore[arg-type]
+    assert reg.remove_owner(mine) == ["a", "c"] and reg.names() == ["b"]
+    assert reg.remove_owner(mine) == []
 
 
 def test_get_registry_caches_and_rejects_unknown_kinds() -> None:
@@ -115,83 +127,231 @@ def test_get_registry_caches_and_rejects_unknown_kinds() -> None:
         get_registry("nope")
 
 
-# --- run-time plugins and contribute ----------------------------------------------------------------
+def test_kinds_are_declared_by_their_layer_and_built_by_any_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert KINDS["ops"].registry_cls is OpRegistry and KINDS["ops"].hook == "kiln_register_ops"
+    session = PluginSession(autoload=False)
+    session.plugins()  # loaded before the kind exists
+    monkeypatch.setitem(KINDS, "late", KINDS["adapters"])  # restored after the test
+    declare_kind("late", "kiln_register_adapters", OpRegistry)
+    assert isinstance(session.registry("late"), OpRegistry)
+    with pytest.raises(KilnError, match="already declared with hook 'kiln_register_adapters'"):
+        declare_kind("late", "kiln_register_backends")
+    monkeypatch.setitem(KINDS, "planner", RegistryKind("planner", "kiln_plan_recompute", NamedRegistry))
+    with pytest.raises(KilnError, match="'kiln_plan_recompute', which is not a historic kiln hook"):
+        session.registry("planner")
 
 
-def test_register_plugin_at_run_time() -> None:
+def test_contribution_hooks_are_historic_and_fill_the_declared_kinds() -> None:
+    from kiln.core import _hookspecs
+
+    specs = {name: fn.kiln_spec for name, fn in vars(_hookspecs).items() if hasattr(fn, "kiln_spec")}
+    historic = {name for name, opts in specs.items() if opts["historic"]}
+    assert historic == {name for name in specs if name.startswith("kiln_register_")}
+    assert {kind.hook for kind in KINDS.values()} <= historic
+    assert {"ops", "backends", "graph_passes", "weight_formats", "adapters", "communicators"} <= set(KINDS)
+
+
+# --- sessions ---------------------------------------------------------------------------------------
+
+
+def test_two_sessions_do_not_share_state() -> None:
+    one, two = PluginSession(autoload=False), PluginSession(autoload=False)
+    one.register(_backends("only-one"), "p1")
+    with pytest.warns(KilnWarning, match="'p2'"):
+        two.register(_plugin(kiln_register_adapters=lambda registry: 1 / 0), "p2")
+        two.registry("adapters")
+    assert "only-one" in one.registry("backends") and "only-one" not in two.registry("backends")
+    assert one.registry("ops") is not two.registry("ops") and one.registry("ops") is not get_registry("ops")
+    assert _names(one.plugins()) == ["core", "p1"] and _names(two.plugins()) == ["core"]
+    assert one.failed() == [] and _names(two.failed()) == ["p2"]
+    assert one.manager is not two.manager and list_plugins() == [one.plugins()[0]]
+    current = plugin_session()
+    reset_plugins()
+    assert plugin_session() is not current
+
+
+def test_registries_are_reachable_while_being_built() -> None:
+    seen: list[Any] = []
+
+    def kiln_register_ops(registry: OpRegistry) -> None:
+        registry.register_op(OpDef("probe", ("x",), ("y",), lambda x: 2 * x, _same))
+        seen.append(kiln.core.op_registry() is registry)
+        kiln.core.register_backward_rule("probe", lambda ctx: [ctx.emit("scale", ctx.d_out, factor=2.0)])
+        kiln.core.register_backward_rule("matmul", seen.append, replace=True)  # core's op, already there
+
+    session = PluginSession(autoload=False)
+    session.register(_plugin(kiln_register_ops=kiln_register_ops), "rules")
+    ops = session.registry("ops")  # not the current session: the hook still gets this one
+    assert seen == [True] and ops["probe"].backward is not None and ops["matmul"].backward == seen.append
+    assert ops.owner("probe").name == "rules" and session.failed() == []  # type: ignore[union-attr]
+    assert get_registry("ops")["matmul"].backward != seen.append
+
+
+def test_contribution_hooks_run_in_registration_order_core_first() -> None:
+    calls: list[str] = []
+
+    def plugin(name: str) -> types.SimpleNamespace:
+        return _plugin(kiln_register_backends=lambda registry: calls.append(name))
+
+    for name in ("b", "a", "c"):
+        register_plugin(plugin(name), name)
+    backends = get_registry("backends")
+    assert calls == ["b", "a", "c"] and backends.names() == ["numpy"]  # core's ran first
+
+
+# --- run-time plugins and historic hooks ------------------------------------------------------------
+
+
+def test_register_plugin_at_run_time_gets_the_historic_calls() -> None:
     before = get_registry("backends")  # built before the plugin arrives
-    info = register_plugin(_backends("toy"), "toy-plugin")
+    ops = get_registry("ops")
+
+    def kiln_register_ops(registry: OpRegistry) -> None:
+        registry.register_op(OpDef("late_op", ("x",), ("y",), lambda x: x, _same))
+
+    plugin = _backends("toy")
+    plugin.kiln_register_ops = hookimpl(kiln_register_ops)
+    info = register_plugin(plugin, "toy-plugin")
     assert info == PluginInfo("toy-plugin", None, None, "types")
-    assert [p.name for p in list_plugins()] == ["core", "toy-plugin"]
-    assert "toy" in before and before.owner("toy") == info
+    assert _names(list_plugins()) == ["core", "toy-plugin"]
+    assert "toy" in before and before.owner("toy") == info and ops.owner("late_op") == info
     with pytest.raises(PluginError, match="toy-plugin"):
         register_plugin(_backends(), "toy-plugin")  # the name is taken
+    with pytest.raises(PluginError, match="already registered under another name"):
+        register_plugin(plugin, "toy-again")
 
 
-def test_contribute_attributes_each_entry_to_its_plugin() -> None:
+def test_a_failing_run_time_registration_raises_and_leaves_nothing() -> None:
+    backends = get_registry("backends")
+
+    def kiln_register_backends(registry: NamedRegistry[Any]) -> None:
+        registry.register("half", object())
+        registry.register("numpy", object())  # core's
+
+    with pytest.raises(PluginError, match=r"'greedy' \(registered at run time\): error in kiln_register_"
+                                          r"backends: 'numpy' is registered twice") as err:
+        register_plugin(_plugin(kiln_register_backends=kiln_register_backends), "greedy")
+    assert err.value.plugin == "greedy"
+    assert backends.names() == ["numpy"] and backends.owner("numpy").name == "core"  # type: ignore[union-attr]
+    assert _names(list_plugins()) == ["core"] and failed_plugins() == []
+    register_plugin(_backends("fine"), "greedy")  # the name is free again
+
+
+def test_run_time_register_op_clash_raises_to_the_caller() -> None:
+    with pytest.raises(PluginError, match=r"'matmul' is registered twice in the ops registry: by plugin "
+                                          r"'core' \(kiln-core .*\) and by plugin '<runtime>'"):
+        kiln.core.register_op(OpDef("matmul", ("x",), ("y",), lambda x: x, _same))
+
+
+def test_entries_are_attributed_to_their_plugin() -> None:
     a = register_plugin(_backends("a1", "a2"), "plug-a")
     b = register_plugin(_backends("b1"), "plug-b")
-    reg = contribute("kiln_register_backends", NamedRegistry[Any]("backends"))
+    reg = get_registry("backends")
     owners = {n: reg.owner(n) for n in reg}
-    assert owners.pop("numpy").name == "core"  # core's own backend
+    assert owners.pop("numpy").name == "core"  # type: ignore[union-attr]
     assert owners == {"a1": a, "a2": a, "b1": b}
-    register_plugin(_backends("a1"), "plug-c")
-    with pytest.raises(
-        PluginError, match=r"by plugin 'plug-a' \(registered at run time\) and by plugin 'plug-c'"
-    ) as err:
-        contribute("kiln_register_backends", NamedRegistry[Any]("backends"))
-    assert err.value.plugin == "plug-c" and err.value.__cause__ is None  # passed through unchanged
 
 
-def test_contribute_wraps_plugin_exceptions_but_passes_kiln_errors() -> None:
-    own = KilnError("a plugin's own KilnError")
+# --- failing plugins are skipped --------------------------------------------------------------------
 
+
+def test_a_duplicate_name_stays_with_the_first_plugin() -> None:
+    a = register_plugin(_backends("a1", "shared"), "plug-a")
+    register_plugin(_backends("c1", "shared", "c2"), "plug-c")
+    with pytest.warns(KilnWarning, match=r"plugin 'plug-c' \(registered at run time\): error in "
+                      r"kiln_register_backends: 'shared' is registered twice in the backends registry: "
+                      r"by plugin 'plug-a' \(registered at run time\) and by plugin 'plug-c'"):
+        reg = get_registry("backends")
+    assert reg.names() == ["numpy", "a1", "shared"] and reg.owner("shared") == a  # c1 is gone too
+    assert _names(list_plugins()) == ["core", "plug-a"]
+    (failed,) = failed_plugins()
+    assert failed.name == "plug-c" and failed.status.startswith("failed: error in kiln_register_backends: ")
+
+
+def test_a_plugin_that_raises_is_dropped_with_all_its_entries() -> None:
     def kiln_register_adapters(registry: NamedRegistry[Any]) -> None:
+        registry.register("half_adapter", object())
         raise ValueError("boom")
 
+    plugin = _backends("half_backend")
+    plugin.kiln_register_adapters = hookimpl(kiln_register_adapters)
+    plugin.kiln_plan_recompute = hookimpl(lambda mode: None)
+    register_plugin(plugin, "exploding")
+    register_plugin(_backends("bystander"), "bystander")
+    backends = get_registry("backends")
+    assert "half_backend" in backends
+    with pytest.warns(KilnWarning, match=r"'exploding' .*: error in kiln_register_adapters: ValueError: bo"):
+        adapters = get_registry("adapters")
+    assert "half_adapter" not in adapters and "half_backend" not in backends and "bystander" in backends
+    assert _names(list_plugins()) == ["core", "bystander"]
+    assert failed_plugins()[0].error == "error in kiln_register_adapters: ValueError: boom"
+    assert not any(impl.plugin_name == "exploding"
+                   for impl in kiln.core.plugin_manager().hook.kiln_plan_recompute.get_hookimpls())
+    assert "exploding" not in get_registry("communicators").names()  # later registries: not called
+
+
+def test_a_plugins_own_kiln_error_is_reported_by_its_message() -> None:
     def kiln_register_communicators(registry: NamedRegistry[Any]) -> None:
-        raise own
+        raise KilnError("needs MPI", hint="install mpi4py")
 
-    register_plugin(_plugin(kiln_register_adapters=kiln_register_adapters), "exploding")
     register_plugin(_plugin(kiln_register_communicators=kiln_register_communicators), "strict")
-    with pytest.raises(
-        PluginError, match=r"'exploding' .* in kiln_register_adapters: ValueError: boom"
-    ) as err:
-        get_registry("adapters")
-    assert err.value.plugin == "exploding" and isinstance(err.value.__cause__, ValueError)
-    with pytest.raises(KilnError) as kerr:
-        get_registry("communicators")
-    assert kerr.value is own
-    with pytest.raises(KilnError, match="not a kiln contribution hook"):
-        contribute("kiln_plan_recompute", NamedRegistry[Any]("x"))
+    with pytest.warns(KilnWarning, match=r"'strict' \(registered at run time\): error in kiln_register_"
+                                         r"communicators: needs MPI. kiln goes on without it$"):
+        assert get_registry("communicators").names() == []
 
 
-def test_exceptions_in_installed_plugins_name_the_distribution(fake_dist: Any) -> None:
-    fake_dist(
-        "kiln-demo-raises",
-        """
-        import pluggy
-        @pluggy.HookimplMarker("kiln")
-        def kiln_register_communicators(registry):
-            raise RuntimeError("no network")
-    """,
-    )
-    with pytest.raises(PluginError, match=r"kiln-demo-raises 0.3.0\) failed in kiln_register_comm") as err:
-        get_registry("communicators")
-    assert err.value.distribution == "kiln-demo-raises"
+def test_a_failing_planner_is_skipped_and_core_plans() -> None:
+    def kiln_plan_recompute(mode: str) -> None:
+        raise RuntimeError("planner crashed")
+
+    register_plugin(_plugin(kiln_plan_recompute=kiln_plan_recompute), "crashing-planner")
+    context = plan_context(tiny_qwen3_bundle(), bindings={"B": 2, "T": 6})
+    with pytest.warns(KilnWarning, match=r"'crashing-planner' .*kiln_plan_recompute: RuntimeError"):
+        plan = plan_recompute(context, "block")
+    assert plan.planner == "kiln.core" and _names(failed_plugins()) == ["crashing-planner"]
 
 
-@pytest.mark.parametrize(
-    ("name", "fn"),
-    [
-        ("kiln_register_backendz", lambda registry: None),  # matches no hookspec
-        ("kiln_register_backends", lambda reg: None),  # wrong argument name
-    ],
-)
-def test_bad_hookimpls_are_rejected(name: str, fn: Any) -> None:
-    with pytest.raises(PluginError, match=r"plugin 'bad' .* declares an invalid hook"):
-        register_plugin(_plugin(**{name: fn}), "bad")
-    assert [p.name for p in list_plugins()] == ["core"]
+# --- hook wrappers ----------------------------------------------------------------------------------
+
+
+class _PlanWrapper:
+    def __init__(self, replace: object = None) -> None:
+        self.seen: list[str] = []
+        self.replace = replace
+
+    @hookimpl(wrapper=True)
+    def kiln_plan_recompute(self, mode: str) -> Any:
+        self.seen.append(mode)
+        result = yield
+        return self.replace if self.replace is not None else result
+
+
+def test_a_wrapper_on_kiln_plan_recompute_runs() -> None:
+    wrapper = _PlanWrapper()
+    register_plugin(wrapper, "plan-wrapper")
+    register_plugin(_plugin(kiln_plan_recompute=lambda mode: None), "deferring")
+    context = plan_context(tiny_qwen3_bundle(), bindings={"B": 2, "T": 6})
+    assert plan_recompute(context, "dsl").planner == "kiln.core" and wrapper.seen == ["dsl"]
+    reset_plugins()
+    register_plugin(_PlanWrapper(replace="nonsense"), "bad-wrapper")
+    with pytest.raises(PluginError, match="a kiln_plan_recompute hook wrapper returned str"):
+        plan_recompute(context, "dsl")
+
+
+def test_a_wrapper_on_kiln_cli_commands_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[str] = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def kiln_cli_commands(self, register: Any) -> Any:
+            calls.append("before")
+            yield
+            register("wrapped", help="added by a wrapper", run=lambda args: calls.append("ran"))
+            calls.append("after")
+
+    register_plugin(Wrapper(), "cli-wrapper")
+    assert main(["wrapped"]) == 0
+    assert calls == ["before", "after", "ran"]
 
 
 # --- entry-point loading ------------------------------------------------------------------------------
@@ -206,20 +366,61 @@ def test_entry_points_load_unless_autoload_is_disabled(
     assert demo == PluginInfo("kiln_demo_ok", "kiln-demo-ok", "0.3.0", "kiln_demo_ok")
     monkeypatch.setenv(AUTOLOAD, "1")
     reset_plugins()
-    assert [p.name for p in list_plugins()] == ["core"]
+    assert _names(list_plugins()) == ["core"]
 
 
-def test_entry_point_import_failure_names_the_distribution(fake_dist: Any) -> None:
+def test_duplicate_across_distributions_keeps_the_first(fake_dist: Any) -> None:
+    src = """
+        import pluggy
+        @pluggy.HookimplMarker("kiln")
+        def kiln_register_backends(registry):
+            registry.register("shared", object())
+    """
+    fake_dist("kiln-demo-dup-a", src, version="1.0")
+    fake_dist("kiln-demo-dup-b", src, version="2.0")
+    with pytest.warns(KilnWarning) as caught:
+        backends = get_registry("backends")
+    (warning,) = caught
+    text = str(warning.message)
+    assert "plugin 'kiln_demo_dup_b' (kiln-demo-dup-b 2.0): error in kiln_register_backends" in text
+    assert "kiln-demo-dup-a 1.0" in text and "pip uninstall kiln-demo-dup-b" in text
+    assert backends.owner("shared").distribution == "kiln-demo-dup-a"  # type: ignore[union-attr]
+    assert [(p.name, p.distribution, p.version) for p in failed_plugins()] == [
+        ("kiln_demo_dup_b", "kiln-demo-dup-b", "2.0")
+    ]
+
+
+def test_exceptions_in_installed_plugins_name_the_distribution(fake_dist: Any) -> None:
+    fake_dist(
+        "kiln-demo-raises",
+        """
+        import pluggy
+        @pluggy.HookimplMarker("kiln")
+        def kiln_register_communicators(registry):
+            raise RuntimeError("no network")
+    """,
+    )
+    with pytest.warns(KilnWarning, match=r"\(kiln-demo-raises 0.3.0\): error in kiln_register_communicators: "
+                                         r"RuntimeError: no network. kiln goes on without it; fix it or "
+                                         r"pip uninstall kiln-demo-raises, or set KILN_DISABLE_PLUGIN_AUTO"):
+        get_registry("communicators")
+    assert _names(list_plugins()) == ["core"]
+
+
+def test_entry_point_import_failure_is_skipped(fake_dist: Any) -> None:
     fake_dist("kiln-demo-broken", "import kiln_no_such_module_anywhere", version="9.9")
-    with pytest.raises(
-        PluginError, match=r"from kiln-demo-broken 9.9 failed to import: ModuleNotFound"
-    ) as err:
-        list_plugins()
-    assert err.value.distribution == "kiln-demo-broken"
-    assert isinstance(err.value.__cause__, ModuleNotFoundError)
+    fake_dist("kiln-demo-fine", "")
+    with pytest.warns(KilnWarning, match=r"\(kiln-demo-broken 9.9\): import error: ModuleNotFoundError"):
+        assert _names(list_plugins()) == ["core", "kiln_demo_fine"]
+    (failed,) = failed_plugins()
+    assert (failed.name, failed.distribution, failed.version, failed.module) == (
+        "kiln_demo_broken", "kiln-demo-broken", "9.9", "kiln_demo_broken")
+    assert failed.status == "failed: import error: ModuleNotFoundError: No module named " \
+                            "'kiln_no_such_module_anywhere'"
+    assert "matmul" in get_registry("ops")
 
 
-def test_entry_point_with_a_misspelled_hook_names_the_distribution(fake_dist: Any) -> None:
+def test_entry_point_with_a_misspelled_hook_is_skipped(fake_dist: Any) -> None:
     fake_dist(
         "kiln-demo-typo",
         """
@@ -229,9 +430,23 @@ def test_entry_point_with_a_misspelled_hook_names_the_distribution(fake_dist: An
             pass
     """,
     )
-    with pytest.raises(PluginError, match=r"kiln-demo-typo 0.3.0\) declares an invalid hook") as err:
-        list_plugins()
-    assert err.value.distribution == "kiln-demo-typo"
+    with pytest.warns(KilnWarning, match=r"kiln-demo-typo 0.3.0\): declares an invalid hook: unknown hook "
+                                         r"'kiln_register_opz'"):
+        assert _names(list_plugins()) == ["core"]
+    assert failed_plugins()[0].distribution == "kiln-demo-typo"
+
+
+@pytest.mark.parametrize(
+    ("name", "fn"),
+    [
+        ("kiln_register_backendz", lambda registry: None),  # matches no hookspec
+        ("kiln_register_backends", lambda reg: None),  # wrong argument name
+    ],
+)
+def test_bad_hookimpls_at_run_time_are_rejected(name: str, fn: Any) -> None:
+    with pytest.raises(PluginError, match=r"plugin 'bad' .* declares an invalid hook"):
+        register_plugin(_plugin(**{name: fn}), "bad")
+    assert _names(list_plugins()) == ["core"] and failed_plugins() == []
 
 
 # --- the kiln CLI ---------------------------------------------------------------------------------------
@@ -245,8 +460,8 @@ def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_plugins_lists_core(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins"]) == 0
     header, core = capsys.readouterr().out.splitlines()
-    assert header.split() == ["name", "distribution", "version", "module"]
-    assert core.split() == ["core", "kiln-core", CORE_VERSION, "kiln.core._builtin"]
+    assert header.split() == ["name", "distribution", "version", "module", "status"]
+    assert core.split() == ["core", "kiln-core", CORE_VERSION, "kiln.core._builtin", "ok"]
 
 
 def _command(run: Any) -> types.SimpleNamespace:
@@ -273,13 +488,36 @@ def test_cli_errors_exit_2_without_traceback(
     assert "Traceback" in capsys.readouterr().err
 
 
-def test_cli_command_names_are_owned(capsys: pytest.CaptureFixture[str]) -> None:
-    register_plugin(
-        _plugin(kiln_cli_commands=lambda register: register("plugins", help="", run=print)), "thief"
-    )
-    assert main(["plugins"]) == 2
-    err = capsys.readouterr().err
-    assert "'plugins' is registered twice" in err and "plugin 'core' (kiln-core" in err and "'thief'" in err
+def test_cli_a_command_name_stays_with_the_first_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    def kiln_cli_commands(register: Any) -> None:
+        register("thief-own", help="", run=print)
+        register("plugins", help="", run=print)
+
+    register_plugin(_plugin(kiln_cli_commands=kiln_cli_commands), "thief")
+    assert main(["plugins"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("kiln: warning: plugin 'thief' (registered at run time): error in "
+                          "kiln_cli_commands: 'plugins' is registered twice in the cli_commands registry: "
+                          f"by plugin 'core' (kiln-core {CORE_VERSION}) and by plugin 'thief'")
+    rows = [line.split(maxsplit=4) for line in out.splitlines()]
+    assert rows[1] == ["core", "kiln-core", CORE_VERSION, "kiln.core._builtin", "ok"]
+    assert rows[2][:4] == ["thief", "(run", "time)", "-"]  # its module column follows
+    assert "failed: error in kiln_cli_commands: 'plugins' is registered twice" in out.splitlines()[2]
+    assert main(["thief-own"]) == 2  # its other command went with it
+    assert "invalid choice: 'thief-own'" in capsys.readouterr().err
+
+
+def test_cli_a_failing_configure_drops_its_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    def configure(parser: Any) -> None:
+        raise TypeError("bad option")
+
+    register_plugin(_plugin(kiln_cli_commands=lambda register: register("odd", help="", run=print,
+                                                                        configure=configure)), "odd")
+    assert main(["--version"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"kiln {CORE_VERSION}\n"
+    assert err == "kiln: warning: plugin 'odd' (registered at run time): error in kiln_cli_commands: " \
+                  "TypeError: bad option. kiln goes on without it\n"
 
 
 def test_python_dash_m_kiln_core() -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "DimError",
     "IRError",
     "KilnError",
+    "KilnWarning",
     "OpError",
     "PluginError",
 ]
@@ -128,3 +129,7 @@ class PluginError(KilnError):
         self.plugin = plugin
         self.distribution = distribution
         super().__init__(message, **kw)
+
+
+class KilnWarning(UserWarning):
+    """Something kiln went on without, such as a plugin that failed and was skipped."""

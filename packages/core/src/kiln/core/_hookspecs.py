@@ -4,8 +4,13 @@ A plugin is a module (or any object) whose functions are marked with ``@kiln.cor
 are named after the hooks below; an implementation may accept any subset of the hook's parameters,
 by name. Plugins are found through the entry-point group ``kiln``. Contribution hooks
 (``kiln_register_*``, ``kiln_cli_commands``) are called once per plugin, in registration order
-(core first); every entry a plugin adds is recorded with the plugin and distribution that supplied
-it, and a name two plugins both claim raises :class:`kiln.core.PluginError` naming both.
+(core first). The ``kiln_register_*`` hooks are historic: a registry is built the first time it is
+asked for, and a plugin registered later is called for every registry already built. Every entry a
+plugin adds is recorded with the plugin and distribution that supplied it; a name another plugin
+already has stays with the first one. A plugin that fails (it cannot be imported, declares an
+invalid hook, claims a taken name or raises from a hook) is skipped with a
+:class:`kiln.core.KilnWarning` naming its distribution, and its entries are removed; kiln and the
+other plugins go on. ``kiln_plan_recompute`` and ``kiln_cli_commands`` also take hook wrappers.
 """
 
 from __future__ import annotations
@@ -25,20 +30,37 @@ hookspec = pluggy.HookspecMarker("kiln")
 hookimpl = pluggy.HookimplMarker("kiln")
 
 
-@hookspec
+@hookspec(historic=True)
 def kiln_register_ops(registry: NamedRegistry[Any]) -> None:
     """Register op types, each with its schema, shape rule, reference kernel and backward rule.
 
     :param registry: The op registry; call ``registry.register_op(opdef)`` once per op type.
-        An op type another plugin already registered raises :class:`kiln.core.PluginError`.
+        Registering an op type another plugin already has raises :class:`kiln.core.PluginError`
+        (which, escaping the hook, skips the plugin). ``kiln.core.op_registry()`` is this
+        registry while it is being built, so ``kiln.core.register_backward_rule`` works from
+        inside the hook.
 
     Every implementation is called; return values are ignored.
 
     .. versionadded:: 0.1
     """
 
+@hookspec(historic=True)
+def kiln_register_kernels(registry: NamedRegistry[Any]) -> None:
+    """Register kernels: implementations of registered ops for one backend and dtype.
 
-@hookspec
+    :param registry: The kernel table; call ``registry.register_kernel(op, backend, dtype, kernel)``
+        once per kernel (dtype ``"*"``: every float type of the backend). A second kernel for the
+        same op, backend and dtype raises :class:`kiln.core.PluginError` naming both plugins.
+
+    Every implementation is called; return values are ignored. A backend that lacks a kernel for
+    an op fails at compile time, naming both.
+
+    .. versionadded:: 0.5
+    """
+
+
+@hookspec(historic=True)
 def kiln_register_backends(registry: NamedRegistry[Any]) -> None:
     """Register backends, the executors of a compiled Program (``numpy``, ``cuda``, ...).
 
@@ -51,8 +73,19 @@ def kiln_register_backends(registry: NamedRegistry[Any]) -> None:
     .. versionadded:: 0.1
     """
 
+@hookspec(historic=True)
+def kiln_register_optimizers(registry: NamedRegistry[Any]) -> None:
+    """Register optimizers (update rules emitted into a Program's optimizer phase).
 
-@hookspec
+    :param registry: The optimizer registry; call ``registry.register(name, optimizer_class)``.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.5
+    """
+
+
+@hookspec(historic=True)
 def kiln_register_graph_passes(registry: NamedRegistry[Any]) -> None:
     """Register graph passes: pure functions from an IR graph to a new IR graph.
 
@@ -87,8 +120,9 @@ def kiln_plan_recompute(
         activation peak of the Program compiled with it, when planning inside ``compile``).
 
     Return a ``kiln.core.recompute.RecomputePlan`` to replace the built-in planner, or None to
-    defer to the next implementation. Stops at the first non-None result (``firstresult``);
-    when every implementation defers, the built-in planner decides. kiln checks the plan
+    defer to the next implementation. Stops at the first non-None result (``firstresult``; the
+    plugin registered last is asked first); when every implementation defers, the built-in
+    planner decides. Hook wrappers (``wrapper=True``) see and may replace the result. kiln checks the plan
     (every replayed op must be computable inside its block) and names the plugin if it is not.
     In 0.3 the ``policy`` parameter became ``training`` and ``layout`` a ``PlanContext``.
 
@@ -96,7 +130,7 @@ def kiln_plan_recompute(
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def kiln_register_weight_formats(registry: NamedRegistry[Any]) -> None:
     """Register weight formats that checkpoints can be read from and written to.
 
@@ -108,7 +142,7 @@ def kiln_register_weight_formats(registry: NamedRegistry[Any]) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def kiln_register_adapters(registry: NamedRegistry[Any]) -> None:
     """Register parameter-efficient adapters (such as LoRA) that are applied as graph passes.
 
@@ -120,7 +154,7 @@ def kiln_register_adapters(registry: NamedRegistry[Any]) -> None:
     """
 
 
-@hookspec
+@hookspec(historic=True)
 def kiln_register_communicators(registry: NamedRegistry[Any]) -> None:
     """Register communicators, the collective operations used for distributed training.
 
@@ -142,7 +176,8 @@ def kiln_cli_commands(register: Callable[..., None]) -> None:
         returns the exit code (None counts as 0). A ``KilnError`` raised by ``run`` is printed as
         ``kiln: error: ...`` and exits with code 2.
 
-    Every implementation is called; return values are ignored.
+    Every implementation is called, in registration order (core first); return values are
+    ignored. Hook wrappers (``wrapper=True``) run around the whole call.
 
     .. versionadded:: 0.1
     """

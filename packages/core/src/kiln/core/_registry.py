@@ -4,33 +4,40 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 
 from kiln.core._errors import KilnError, PluginError
 
-__all__ = ["NamedRegistry", "PluginInfo"]
+__all__ = ["KINDS", "NamedRegistry", "PluginInfo", "RegistryKind", "declare_kind"]
 
 T = TypeVar("T")
 
 
 @attrs.frozen
 class PluginInfo:
-    """A loaded plugin. ``distribution`` and ``version`` are None for one registered at run time."""
+    """A plugin. ``distribution`` and ``version`` are None for one registered at run time;
+    ``error`` says why a plugin that failed was skipped (None for a loaded one)."""
 
     name: str
     distribution: str | None
     version: str | None
     module: str
+    error: str | None = None
+
+    @property
+    def status(self) -> str:
+        """``"ok"``, or ``"failed: <why>"`` for a plugin that was skipped."""
+        return "ok" if self.error is None else f"failed: {self.error}"
 
     def describe(self) -> str:
         where = f"{self.distribution} {self.version}" if self.distribution else "registered at run time"
         return f"plugin {self.name!r} ({where})"
 
 
-# Set by ``kiln.core._plugins.contribute`` while one plugin's hook runs, so that entries it
-# registers are attributed to it without the plugin having to say who it is.
+# Set by the plugin session while one plugin's hook runs, so that entries it registers are
+# attributed to it without the plugin having to say who it is.
 CONTRIBUTOR: ContextVar[PluginInfo | None] = ContextVar("kiln_contributor", default=None)
 
 RUNTIME = "<runtime>"
@@ -102,5 +109,39 @@ class NamedRegistry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         return [(name, obj) for name, (obj, _) in self._entries.items()]
 
+    def remove_owner(self, owner: PluginInfo | str) -> list[str]:
+        """Remove every entry ``owner`` registered (a plugin that failed); returns their names."""
+        gone = [name for name, (_, who) in self._entries.items() if who == owner]
+        for name in gone:
+            del self._entries[name]
+        return gone
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind}: {', '.join(self._entries) or 'empty'}>"
+
+
+@attrs.frozen
+class RegistryKind:
+    """A kind of registry: its contribution hook and the registry class the hook fills."""
+
+    kind: str
+    hook: str
+    registry_cls: type[NamedRegistry[Any]]
+    providers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+#: Every declared kind. The layer that owns a registry class declares its kind, so the plugin
+#: manager builds registries without importing any layer.
+KINDS: dict[str, RegistryKind] = {}
+
+
+def declare_kind(kind: str, hook_name: str, registry_cls: type[NamedRegistry[Any]] = NamedRegistry,
+                 providers: Mapping[str, str] | None = None) -> None:
+    """Declare that registries of ``kind`` are ``registry_cls(kind, providers=...)`` objects filled
+    through the historic hook ``hook_name``; ``providers`` maps names known to come from an optional
+    distribution to it. Declaring a kind again (a module reload) replaces it, with the same hook."""
+    known = KINDS.get(kind)
+    if known is not None and known.hook != hook_name:
+        raise KilnError(f"registry kind {kind!r} is already declared with hook {known.hook!r}, "
+                        f"not {hook_name!r}")
+    KINDS[kind] = RegistryKind(kind, hook_name, registry_cls, dict(providers or {}))
