@@ -193,7 +193,7 @@ def test_activation_and_gradient_carry_every_field() -> None:
             recompute=True,
             recompute_from=["@input:x", "@param:w", "?@param:bias", "@global:freq_cis", "h_flat"],
             recompute_op="matmul",
-            recompute_attrs={"transpose": "NT", "rotary_dim": Dim("C")},
+            recompute_attrs={"transpose": "NT", "_rotary_dim": Dim("C")},
             recompute_policy="fft_only",
             recompute_group="proj",
             recompute_outputs=["h", "gone"],
@@ -228,7 +228,7 @@ def test_activation_and_gradient_carry_every_field() -> None:
     assert h.name == "h" and h.dtype == "fp32" and h.aliases == ("h_flat",)
     assert (h.save, h.recompute, h.memory_hint) == (True, True, "shared")
     assert h.recompute_from == ("@input:x", "@param:w", "?@param:bias", "@global:freq_cis", "h_flat")
-    assert (h.recompute_op, thaw(h.recompute_attrs)) == ("matmul", {"transpose": "NT", "rotary_dim": "C"})
+    assert (h.recompute_op, thaw(h.recompute_attrs)) == ("matmul", {"transpose": "NT", "_rotary_dim": "C"})
     assert (h.recompute_policy, h.recompute_group) == ("fft_only", "proj")
     assert h.recompute_outputs == ("h",)  # "gone" is left out by its condition, so is its output entry
     assert h.lora_targets == ("q", "k") and (h.shares_with, h.share_policy) == ("y", "when_recomputed")

@@ -234,26 +234,26 @@ def test_dense_block_recompute_declarations() -> None:
     assert (qkv.recompute_op, qkv.recompute_policy) == ("matmul", "lora_only")
     assert qkv.lora_targets == ("q", "k", "v") and qkv.aliases == ("qkv_flat", "qkv_biased")
     assert qkv.recompute_from == ("ln1", "@param:qkv_weight", "?@param:qkv_bias")
-    assert dict(qkv.recompute_attrs) == {"matmul_op": "qkv", "transpose": "NT"}
+    assert dict(qkv.recompute_attrs) == {"_matmul_op": "qkv", "transpose": "NT"}
 
     rope = slot["qkv_rope"]
     assert rope.recompute_op == "qkv_qk_norm_rope"
     assert rope.recompute_outputs == ("qkv_rope", "q_rstd", "k_rstd")
     assert rope.recompute_from == ("qkv", "?@global:freq_cis", "@input:position_ids",
                                    "?@param:q_norm_weight", "?@param:k_norm_weight")
-    assert dict(rope.recompute_attrs) == {"use_qk_norm": "use_qk_norm", "rope_fused": "auto",
+    assert dict(rope.recompute_attrs) == {"_use_qk_norm": "use_qk_norm", "_rope_fused": "auto",
                                           "rotary_dim": "D"}
 
     att = slot["att"]
     assert (att.recompute_outputs, att.recompute_from) == (("att", "lse"), ("qkv_rope",))
     assert (att.recompute_op, att.recompute_policy) == ("flash_attention", "lora_only")
-    assert dict(att.recompute_attrs) == {"attn_impl": "cudnn"} and att.aliases == ("att_flat", "attn")
+    assert dict(att.recompute_attrs) == {} and att.aliases == ("att_flat", "attn")
     assert slot["att_out"].recompute_from == ("att", "@param:out_weight", "?@param:out_bias")
     assert slot["att_out"].lora_targets == ("o",) and slot["mlp_up"].lora_targets == ("up", "gate")
     assert slot["res_att"].recompute_from == ("res_ffn", "att_out", "ln2_rstd", "@param:ln2_weight")
     assert slot["res_att"].recompute_outputs == ("res_att", "ln2")
     assert slot["swiglu"].recompute_from == ("mlp_up",)
-    assert dict(slot["swiglu"].recompute_attrs) == {"activation": "swiglu"}
+    assert dict(slot["swiglu"].recompute_attrs) == {"_activation": "swiglu"}
 
     for name in ("ln1_rstd", "ln2_rstd"):
         assert (slot[name].save, slot[name].recompute, slot[name].dtype) == (True, False, "fp32")

@@ -332,8 +332,13 @@ def has_rule(op_type: str, registry: OpRegistry | None = None) -> bool:
 
 def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
                    registry: OpRegistry | None = None, stop_gradients: Sequence[str] = (),
-                   grad_prefix: str = "d_") -> list[Diagnostic]:
-    """Validate an explicit backward graph against its forward graph (E005, E006, E018-E020)."""
+                   grad_prefix: str = "d_", inputs: bool = False) -> list[Diagnostic]:
+    """Validate an explicit backward graph against its forward graph (E005, E006, E018-E020).
+
+    ``saved.x`` must name a tensor in ``saves`` or in the forward's ``recompute`` list. Every float
+    parameter not in ``stop_gradients`` needs its gradient; with ``inputs``, every float input too
+    (except those :data:`NONDIFF_PATTERNS` match).
+    """
     from kiln.core._verify import _find_cycle, _where
 
     if registry is None:
@@ -343,13 +348,17 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
     diags: list[Diagnostic] = []
     where = f"graph {backward.name!r}"
     fwd_types = infer_types(forward, registry)
+    available = {*saves, *forward.recompute}
     for i, op in enumerate(backward.ops):
         for name in op.inputs:
-            if name.startswith("saved.") and name.removeprefix("saved.") not in saves:
+            x = name.removeprefix("saved.")
+            if name.startswith("saved.") and x not in available:
+                known = x in fwd_types
+                why = "is not in the forward save list" if known else "is not a tensor of the forward"
                 diags.append(Diagnostic(
-                    "E006", f"backward reads {name!r}, but {name.removeprefix('saved.')!r} "
-                            "is not in the forward save list",
-                    hint=f"add it to the save list of {forward.name!r}", location=_where(backward, i)))
+                    "E006", f"backward reads {name!r}, but {x!r} {why}",
+                    hint=f"add it to the save list of {forward.name!r}" if known else
+                    f"name a tensor of {forward.name!r}", location=_where(backward, i)))
     cycle = _find_cycle(backward, backward.producers())
     if cycle:
         text = " -> ".join(f"%{k} ({backward.ops[k].type})" for k in (*cycle, cycle[0]))
@@ -360,14 +369,16 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
     saved_decls = [TensorDecl(f"saved.{n}", fwd_types[n].shape, fwd_types[n].dtype)
                    for n in saves if n in fwd_types]
     bwd_types = infer_types(backward.evolve(inputs=(*backward.inputs, *saved_decls)), registry)
-    for d in forward.params:
+    leaves = [("parameter", d) for d in forward.params]
+    leaves += [("input", d) for d in forward.inputs if inputs and not _nondiff_name(d.name)]
+    for kind, d in leaves:
         if d.name in stop_gradients or not is_float(d.dtype):
             continue
         g = grad_prefix + d.name
         if g not in produced:
             diags.append(Diagnostic(
-                "E005", f"parameter {d.name!r} has no gradient: the backward graph never produces {g!r}",
-                hint="add an op that computes it, or list the parameter in stop_gradients", location=where))
+                "E005", f"{kind} {d.name!r} has no gradient: the backward graph never produces {g!r}",
+                hint=f"add an op that computes it, or list the {kind} in stop_gradients", location=where))
             continue
         t = bwd_types.get(g)
         if t is None:
@@ -381,7 +392,7 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
                                             f"but {d.name!r} is [{', '.join(map(str, d.shape))}]",
                                     location=where))
         elif not is_float(t.dtype):
-            diags.append(Diagnostic("E020", f"gradient {g!r} is {t.dtype}; the gradient of float parameter "
+            diags.append(Diagnostic("E020", f"gradient {g!r} is {t.dtype}; the gradient of float {kind} "
                                             f"{d.name!r} must be a float type", location=where))
     return diags
 

@@ -1,4 +1,4 @@
-"""Ahead-of-time autodiff: derive a backward graph from a forward graph (public API)."""
+"""Ahead-of-time autodiff: derive a backward graph, check an explicit one (public API)."""
 
 from kiln.core import register_backward_rule
 from kiln.core._autodiff import (
@@ -11,6 +11,7 @@ from kiln.core._autodiff import (
     registered_ops,
     verify_backward,
 )
+from kiln.core._explicit import explicit_backward
 from kiln.core._ops import BackwardContext, no_gradient
 
 # seed 002's name for kiln.core.register_backward_rule (one mechanism, two spellings)
@@ -23,6 +24,7 @@ __all__ = [
     "DeriveBackwardOptions",
     "check_backward",
     "derive_backward",
+    "explicit_backward",
     "has_rule",
     "no_gradient",
     "register_rule",

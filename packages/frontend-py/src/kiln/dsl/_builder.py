@@ -92,6 +92,7 @@ class _State:
         self.extra_slots: list[Any] = []
         self.calls: list[Any] = []  # block modules called through StackedBlocks
         self.renamed: dict[str, str] = {}  # explicit names the compiler changed (a model's loss)
+        self.forward: dict[str, TensorType] | None = None  # building a @backward: the forward's tensors
 
 
 def _short(loc: str | None) -> str | None:
@@ -353,8 +354,19 @@ class GraphBuilder:
 
     def saved(self, name: str) -> GraphRef:
         """``saved.<name>``: the forward tensor as a backward graph reads it."""
-        base = self._ref(name, "saved tensor")
-        assert base is not None
+        forward = self._state.forward
+        if forward is None:
+            base = self._ref(name, "saved tensor")
+            assert base is not None
+        elif name in forward:  # in a @backward method: any tensor of the forward graph
+            base = GraphRef(self, forward[name], "forward", name, explicit=True)
+        else:
+            raise error(
+                "E006",
+                f"saved tensor {name!r} is not a tensor of the forward graph of {type(self.obj).__name__}",
+                "name a forward input, parameter or tensor by its IR name (out_name= or its variable)",
+                user_location(),
+            )
         ref = GraphRef(self, base.type, "saved", explicit=True)
         ref.var = base
         return ref

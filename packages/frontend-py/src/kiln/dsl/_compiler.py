@@ -241,6 +241,10 @@ class _Compiler:
             )
         except KilnError as exc:
             raise error(exc.code or "E003", f"{spec.name}: {exc.message}", exc.hint, spec.loc) from None
+        if spec.backward is not None:
+            assert module.forward is not None
+            forward, backward = self.backward_graph(spec, builder, module.forward, layout)
+            module = module.evolve(forward=forward, backward=backward)
         if spec.name in op_registry() or spec.name in _REGISTRY["primitive"]:
             self.warnings.append(
                 diag(
@@ -652,6 +656,84 @@ class _Compiler:
                 out.append(name)
         return out
 
+    def backward_graph(
+        self, spec: ModuleSpec, fwd: GraphBuilder, graph: Graph, layout: list[ActivationSlot]
+    ) -> tuple[Graph, Graph]:
+        """Compile the ``@backward`` method: its arguments are the gradients of the forward outputs, in
+        order (IR names ``d_<output>``); it reads parameters by name and forward tensors through
+        ``g.saved(name)``, and returns the gradients ``d_<input>`` / ``d_<param>``. The tensors it reads
+        join the forward's save list (its recompute list, if a slot recomputes them). kiln-core checks
+        the graph against the derived backward when it compiles the module."""
+        fn = spec.backward
+        assert fn is not None
+        loc = function_location(fn)
+        state = _State(self)
+        state.forward = {d.name: d.type for d in (*graph.inputs, *graph.params)}
+        state.forward.update({r.name: r.type for _, _, outs, _, _ in fwd._state.ops for r in outs})
+        state.taken.update(dict.fromkeys(state.forward))  # one namespace: the runtime holds both graphs
+        b = GraphBuilder(state, fwd.scope, fwd.obj)
+        b.tied = dict(fwd.tied)
+        for d in graph.params:
+            b.declare(d.name, d.type, "param")
+        args = list(inspect.signature(fn).parameters)[1:]
+        if len(args) != len(graph.outputs):
+            raise error(
+                "E003",
+                f"{spec.name}.backward takes {len(args)} gradient(s), but the forward has "
+                f"{len(graph.outputs)} output(s) ({', '.join(d.name for d in graph.outputs)})",
+                "take one argument per forward output, in order: the gradient of that output",
+                loc,
+            )
+        pairs = zip(args, graph.outputs, strict=True)
+        inputs = [b.declare(f"d_{d.name}", d.type, "input", arg) for arg, d in pairs]
+        try:
+            with active(b):
+                result = fn(b.obj, *inputs)
+        except DSLError:
+            raise
+        except KilnError as exc:
+            raise error(exc.code or "E001", exc.message, exc.hint, traceback_location(exc) or loc) from None
+        except Exception as exc:
+            raise error(
+                "E001",
+                f"could not capture the backward graph of {spec.name}: {type(exc).__name__}: {exc}",
+                "the backward method runs once at compile time with GraphRef placeholders for tensors",
+                traceback_location(exc) or loc,
+            ) from None
+        outs = list(iter_refs([result])) if result is not None else (state.outputs or [])
+        finalize_names(state)
+        leaves = {f"d_{d.name}" for d in (*graph.inputs, *graph.params)}
+        for ref in outs:
+            if ref.name not in leaves:
+                raise error(
+                    "E002",
+                    f"{spec.name}.backward returns {ref.name!r}, which is not the gradient of a forward "
+                    "input or parameter",
+                    f"name each gradient d_<name> (out_name= or its variable): {', '.join(sorted(leaves))}",
+                    loc,
+                )
+        if not outs:
+            raise error("E005", f"{spec.name}.backward returns no gradients",
+                        "return the gradients d_<input> and d_<param> it computes", loc)
+        ops = to_ops(state)
+        read = [i for op in ops for i in op.inputs]
+        saved = list(dict.fromkeys(i.removeprefix("saved.") for i in read if i.startswith("saved.")))
+        recomputed = {n for s in layout if s.recompute for n in (s.name, *s.aliases)}
+        new = [n for n in saved if n not in graph.save and n not in graph.recompute]
+        forward = graph.evolve(
+            save=(*graph.save, *(n for n in new if n not in recomputed)),
+            recompute=(*graph.recompute, *(n for n in new if n in recomputed)),
+        )
+        backward = Graph(
+            f"{graph.name}_backward",
+            inputs=[TensorDecl(r.name, r.shape, r.dtype) for r in inputs],
+            outputs=[TensorDecl(r.name, r.shape, r.dtype) for r in outs],
+            params=[d for d in graph.params if d.name in read],
+            ops=ops,
+            metadata={"forward": graph.name, "grad_prefix": "d_"},
+        )
+        return forward, backward
+
     def with_init(self, specs: list[ParamSpec], ops: list[Any], scope: Scope) -> list[ParamSpec]:
         role: dict[str, str] = {}
         for op in ops:
@@ -750,6 +832,7 @@ class _Compiler:
             "shared" if a.shares_with else "recompute" if a.recompute else "save" if a.save else "persistent"
         )
         attrs = {k: v.to_json() if isinstance(v, DimExpr) else v for k, v in a.recompute_attrs.items()}
+        self.check_recompute_op(a)
         outputs = [p(o) for o in a.recompute_outputs if present.get(o, True)]
         try:
             return ActivationSlot(
@@ -778,6 +861,29 @@ class _Compiler:
         except KilnError as exc:
             kind = "Gradient" if isinstance(a, Gradient) else "Activation"
             raise error("E003", f"{kind} {a.name}: {exc.message}", exc.hint, a.loc) from None
+
+    def check_recompute_op(self, a: Activation) -> None:
+        """``recompute_op`` is a registered op; ``recompute_attrs`` are its attributes (or ``_*`` notes)."""
+        if a.recompute_op is None:
+            return
+        registry = op_registry()
+        if a.recompute_op not in registry:
+            raise error(
+                "E014",
+                f"slot {a.name}: recompute_op {a.recompute_op!r} is not a registered op",
+                "name an op of kiln's registry (`kiln plugins` lists the plugins that add ops)",
+                a.loc,
+            )
+        takes = [s.name for s in registry.get_op(a.recompute_op).attrs]
+        for key in a.recompute_attrs:
+            if key not in takes and not key.startswith("_"):
+                raise error(
+                    "E003",
+                    f"slot {a.name}: recompute_attrs key {key!r} is not an attribute of op "
+                    f"{a.recompute_op!r} (it takes {', '.join(takes) or 'none'})",
+                    f"drop it; a note kiln should keep but not use is named '_{key}'",
+                    a.loc,
+                )
 
     # -- HuggingFace data --
     def hf_config(self, spec: ModuleSpec, cls: type) -> dict[str, Any]:

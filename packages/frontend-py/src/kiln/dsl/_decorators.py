@@ -234,7 +234,12 @@ def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def backward(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an explicit backward method (recorded; kiln derives backward graphs itself)."""
+    """Mark the method that builds the module's explicit backward graph (``Module.backward``).
+
+    It takes the gradients of the forward outputs, reads forward tensors with ``g.saved(name)`` and
+    returns the gradients ``d_<input>`` / ``d_<param>``; ``kiln.core.compile`` checks it against the
+    derived backward and runs it in place of that one.
+    """
     fn.__kiln_backward__ = True  # type: ignore[attr-defined]
     return fn
 

@@ -128,7 +128,7 @@ class _PreNormAttention:
         recompute=True,
         recompute_from=["ln1", "@param:qkv_weight", "?@param:qkv_bias"],
         recompute_op="matmul",
-        recompute_attrs={"matmul_op": "qkv", "transpose": "NT"},
+        recompute_attrs={"_matmul_op": "qkv", "transpose": "NT"},
         recompute_policy="lora_only",
         lora_targets=["q", "k", "v"],
         description="QKV projection output",
@@ -146,7 +146,7 @@ class _PreNormAttention:
             "?@param:k_norm_weight",
         ],
         recompute_op="qkv_qk_norm_rope",
-        recompute_attrs={"use_qk_norm": "use_qk_norm", "rope_fused": "auto", "rotary_dim": "D"},
+        recompute_attrs={"_use_qk_norm": "use_qk_norm", "_rope_fused": "auto", "rotary_dim": "D"},
         recompute_policy="lora_only",
         description="QKV after RoPE (and optional QK-norm)",
     )
@@ -158,7 +158,6 @@ class _PreNormAttention:
         recompute_outputs=["att", "lse"],
         recompute_from=["qkv_rope"],
         recompute_op="flash_attention",
-        recompute_attrs={"attn_impl": "cudnn"},
         recompute_policy="lora_only",  # cuDNN is not bit-exact in full finetune
         description="Attention output (softmax @ V)",
     )
@@ -168,7 +167,7 @@ class _PreNormAttention:
         recompute=True,
         recompute_from=["att", "@param:out_weight", "?@param:out_bias"],  # HF attention_bias: o_proj too
         recompute_op="matmul",
-        recompute_attrs={"matmul_op": "attn_out", "transpose": "NT"},
+        recompute_attrs={"_matmul_op": "attn_out", "transpose": "NT"},
         recompute_policy="lora_only",
         lora_targets=["o"],
         description="Output projection",
@@ -246,7 +245,7 @@ class DenseTransformerBlock(_PreNormAttention):
         recompute=True,
         recompute_from=["ln2", "@param:mlp_up_weight"],
         recompute_op="matmul",
-        recompute_attrs={"matmul_op": "mlp_up", "transpose": "NT"},
+        recompute_attrs={"_matmul_op": "mlp_up", "transpose": "NT"},
         recompute_policy="lora_only",
         lora_targets=["up", "gate"],
         description="MLP up projection (gate + up)",
@@ -257,7 +256,7 @@ class DenseTransformerBlock(_PreNormAttention):
         recompute=True,
         recompute_from=["mlp_up"],
         recompute_op="swiglu",
-        recompute_attrs={"activation": "swiglu"},
+        recompute_attrs={"_activation": "swiglu"},
         recompute_policy="lora_only",
         description="SwiGLU activation",
     )
@@ -341,7 +340,7 @@ class MoETransformerBlock(_PreNormAttention):
         recompute=True,
         recompute_from=["ln2", "@param:router_weight"],
         recompute_op="matmul",
-        recompute_attrs={"matmul_op": "router", "transpose": "NT"},
+        recompute_attrs={"_matmul_op": "router", "transpose": "NT"},
         recompute_policy="lora_only",
         description="Router logits",
     )
@@ -383,7 +382,7 @@ class MoETransformerBlock(_PreNormAttention):
         recompute=True,
         recompute_from=["expert_gate_up"],
         recompute_op="swiglu",
-        recompute_attrs={"activation": "swiglu"},
+        recompute_attrs={"_activation": "swiglu"},
         recompute_policy="lora_only",
         description="Expert SwiGLU activations",
     )
@@ -400,7 +399,7 @@ class MoETransformerBlock(_PreNormAttention):
         recompute=True,
         recompute_from=["ln2", "@param:shared_up_weight"],
         recompute_op="matmul",
-        recompute_attrs={"matmul_op": "shared_up", "transpose": "NT"},
+        recompute_attrs={"_matmul_op": "shared_up", "transpose": "NT"},
         recompute_policy="lora_only",
         when="use_shared_expert",
         description="Shared expert up projection (gate + up)",
