@@ -101,7 +101,8 @@ def with_layout(bundle: Bundle, layout: ActivationLayout) -> Bundle:
 
 def with_lora(bundle: Bundle, rank: int = 2) -> Bundle:
     """A LoRA adapter on every block matmul that reads a weight: ``y = x W^T + 2 / r * (x A^T) B^T``.
-    Adapter parameters are named ``<weight>.lora_A`` / ``.lora_B``, so LoRA mode trains only them."""
+    Adapter parameters (``<weight>.lora_A`` / ``.lora_B``) have the role ``adapter``, so LoRA mode
+    trains only them."""
     mods = []
     for m in bundle.modules:
         g = m.forward
@@ -120,7 +121,8 @@ def with_lora(bundle: Bundle, rank: int = 2) -> Bundle:
             out, x, (n_out, n_in) = op.outputs[0], op.inputs[0], weights[w].shape
             for name, shape in ((f"{w}.lora_A", [rank, n_in]), (f"{w}.lora_B", [n_out, rank])):
                 decls.append(TensorDecl(name, shape, "fp32"))
-                specs.append(ParamSpec(name, shape, "fp32", init={"kind": "normal", "std": 0.3}))
+                specs.append(ParamSpec(name, shape, "fp32", init={"kind": "normal", "std": 0.3},
+                                       role="adapter"))
             ops += [op.evolve(outputs=(f"{out}.base",)),
                     Op("matmul", [x, f"{w}.lora_A"], [f"{out}.lora_a"], {"transpose": "NT"}),
                     Op("matmul", [f"{out}.lora_a", f"{w}.lora_B"], [f"{out}.lora_b"], {"transpose": "NT"}),
@@ -156,7 +158,7 @@ def test_dense_block_dsl_plan_has_the_seeds_groups_and_order() -> None:
     assert by["attn_fwd"].outputs == ("att", "lse") and by["attn_fwd"].op_type == "flash_attention"
     assert by["ln2_fused"].outputs == ("res_att", "ln2")
     assert by["qkv"].lora_targets == ("q", "k", "v") and by["mlp_up"].lora_targets == ("up", "gate")
-    assert by["qkv"].attrs["matmul_op"] == "qkv" and by["qkv"].policy == "lora_only"
+    assert by["qkv"].attrs["_matmul_op"] == "qkv" and by["qkv"].policy == "lora_only"
     # full fine-tuning: the lora_only ops are gated off, their slots saved
     ops, gated = layout_ops(block, "full")
     assert [op.name for op in ops] == ["ln1_fused", "ln2_fused"]
@@ -484,7 +486,7 @@ def test_measured_the_backward_reads_only_the_planned_saved_slots() -> None:
         model = Model.from_ir(bundle, seed=1, recompute=recompute)
         program, ex = model._bind("train", 2, 8)
         model._feed("train", batch["input_ids"], batch["labels"])
-        ex.run(("forward",))
+        ex.run(("forward",), hyper={})
         poison = np.zeros(program.arena_bytes, bool)
         for s in program.slots:  # transient slots share offsets with saved ones at other times
             if s.kind == "transient":
@@ -493,8 +495,8 @@ def test_measured_the_backward_reads_only_the_planned_saved_slots() -> None:
             if s.kind != "transient":
                 poison[s.offset:s.offset + s.nbytes] = False
         ex.arena[:program.arena_bytes][poison] = 0xFF  # NaN in float32
-        ex.run(("backward",))
-        grads = {p.name: ex.views[p.grad].copy() for p in program.params if p.grad}
+        ex.run(("backward",), hyper={})
+        grads = {p.name: ex.read(p.grad) for p in program.params if p.grad}
         ref = ref or grads
         for name, g in ref.items():
             assert np.array_equal(grads[name], g), (recompute, name)

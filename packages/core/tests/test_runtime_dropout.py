@@ -27,7 +27,7 @@ def test_the_mask_changes_with_the_training_step() -> None:
     _, ex = model._bind("train", 2, 4)
     losses = []
     for step in (1, 1, 2):
-        ex.run(("forward",), step=step)
+        ex.run(("forward",), hyper={"step": step})
         losses.append(float(np.sum(ex.views["loss"])))
     assert losses[0] == losses[1] and losses[0] != losses[2]
 

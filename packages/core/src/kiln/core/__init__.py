@@ -2,19 +2,22 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from kiln.core._backend import Backend, Buffer, Executable
 from kiln.core._errors import (
     AutodiffError,
     Diagnostic,
     DimError,
     IRError,
     KilnError,
+    KilnWarning,
     OpError,
     PluginError,
 )
 from kiln.core._gradcheck import GradReport, check_op
 from kiln.core._hookspecs import hookimpl
 from kiln.core._ir import TensorType
-from kiln.core._model import Model
+from kiln.core._kernels import Kernel, KernelTable
+from kiln.core._model import Model, init_value
 from kiln.core._numpy_backend import NumpyBackend, counter_offset
 from kiln.core._ops import (
     AttrSpec,
@@ -26,9 +29,19 @@ from kiln.core._ops import (
     Sample,
     no_gradient,
 )
-from kiln.core._optim import AdamW
-from kiln.core._plugins import get_registry, list_plugins, plugin_manager, register_plugin, reset_plugins
-from kiln.core._program import Program, Slot, Step, Tensor, compile
+from kiln.core._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup
+from kiln.core._passes import GraphPass, PassRun
+from kiln.core._plugins import (
+    PluginSession,
+    failed_plugins,
+    get_registry,
+    list_plugins,
+    plugin_manager,
+    plugin_session,
+    register_plugin,
+    reset_plugins,
+)
+from kiln.core._program import PHASES, Fusion, Program, Slot, Step, Tensor, compile
 from kiln.core._registry import NamedRegistry, PluginInfo
 from kiln.core.recompute import RecomputePlan
 
@@ -56,25 +69,40 @@ def register_backward_rule(op_type: str, rule, *, replace: bool = False) -> None
 
 
 __all__ = [
+    "HF_TRAINER_GROUPS",
+    "PHASES",
+    "SGD",
     "AdamW",
     "AttrSpec",
     "AutodiffError",
+    "Backend",
     "BackwardContext",
+    "Buffer",
     "Cost",
     "Diagnostic",
     "DimError",
+    "Executable",
+    "Fusion",
     "GradReport",
+    "GraphPass",
     "IRError",
     "InferContext",
+    "Kernel",
+    "KernelTable",
     "KilnError",
+    "KilnWarning",
     "Model",
     "NamedRegistry",
     "NumpyBackend",
     "OpDef",
     "OpError",
     "OpRegistry",
+    "Optimizer",
+    "ParamGroup",
+    "PassRun",
     "PluginError",
     "PluginInfo",
+    "PluginSession",
     "Program",
     "RecomputePlan",
     "Sample",
@@ -86,12 +114,15 @@ __all__ = [
     "check_op",
     "compile",
     "counter_offset",
+    "failed_plugins",
     "get_registry",
     "hookimpl",
+    "init_value",
     "list_plugins",
     "no_gradient",
     "op_registry",
     "plugin_manager",
+    "plugin_session",
     "register_backward_rule",
     "register_op",
     "register_plugin",

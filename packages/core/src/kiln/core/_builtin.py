@@ -29,3 +29,18 @@ def kiln_register_backends(registry: Any) -> None:
     from kiln.core._numpy_backend import NumpyBackend
 
     registry.register("numpy", NumpyBackend())
+
+
+@hookimpl
+def kiln_register_kernels(registry: Any) -> None:
+    from kiln.core._oplib import register_numpy_kernels
+
+    register_numpy_kernels(registry)
+
+
+@hookimpl
+def kiln_register_optimizers(registry: Any) -> None:
+    from kiln.core._optim import SGD, AdamW
+
+    registry.register("adamw", AdamW)
+    registry.register("sgd", SGD)

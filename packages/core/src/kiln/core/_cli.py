@@ -6,17 +6,19 @@ import argparse
 import importlib
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kiln.core._errors import KilnError
-from kiln.core._plugins import contribute, env_flag, list_plugins
-from kiln.core._registry import NamedRegistry
+from kiln.core._errors import KilnError, KilnWarning
+from kiln.core._plugins import env_flag, failed_plugins, get_registry, list_plugins, plugin_manager
+from kiln.core._registry import KINDS, NamedRegistry, PluginInfo
 
 __all__ = ["main"]
 
 
 Run = Callable[[argparse.Namespace], "int | None"]
+Configure = Callable[[argparse.ArgumentParser], None]
 
 
 def _version_text() -> str:
@@ -32,47 +34,74 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps --version's line breaks
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands: NamedRegistry[Run] = NamedRegistry("cli_commands")
+    commands: NamedRegistry[tuple[str, Run, Configure | None]] = NamedRegistry("cli_commands")
 
-    # Runs inside ``contribute``, so a duplicate name or a failing ``configure`` names the plugin.
-    def register(
-        name: str, *, help: str, run: Run, configure: Callable[[argparse.ArgumentParser], None] | None = None
-    ) -> None:
-        commands.register(name, run)
+    # Runs inside each plugin's hook, so a duplicate name or a failing ``configure`` drops that
+    # plugin (named in a warning) and its commands; ``configure`` runs again on the real parser.
+    def register(name: str, *, help: str, run: Run, configure: Configure | None = None) -> None:
+        commands.register(name, (help, run, configure))
+        if configure is not None:
+            configure(argparse.ArgumentParser(prog=f"kiln {name}"))
+
+    plugin_manager().hook.kiln_cli_commands(register=register)
+    loaded = list_plugins()
+    for name, (help, run, configure) in commands.items():
+        owner = commands.owner(name)
+        if isinstance(owner, PluginInfo) and owner not in loaded:
+            continue  # its plugin failed after registering it
         p = sub.add_parser(name, help=help, description=help)
         p.set_defaults(_run=run)
         if configure is not None:
             configure(p)
-
-    contribute("kiln_cli_commands", commands, arg=register)
     parser.add_argument("--version", action="version", version=_version_text())
     return parser
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    rows = [("name", "distribution", "version", "module")]
-    rows += [(p.name, p.distribution or "(run time)", p.version or "-", p.module) for p in list_plugins()]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for kind in sorted(KINDS):  # runs every contribution hook, so that a plugin failing in one shows
+        get_registry(kind)
+    rows = [("name", "distribution", "version", "module", "status")]
+    rows += [(p.name, p.distribution or "(run time)", p.version or "-", p.module, p.status)
+             for p in [*list_plugins(), *failed_plugins()]]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
-        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3]]))
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[4]]))
     return 0
 
 
+def _show_warning(show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` that prints a :class:`KilnWarning` as ``kiln: warning: ...``."""
+
+    def shown(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, KilnWarning):
+            print(f"kiln: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``kiln``; returns the exit code (2 for a ``KilnError``, printed without a traceback)."""
-    try:
-        parser = _parser()
+    """Run ``kiln``; returns the exit code (2 for a ``KilnError``, printed without a traceback).
+
+    A plugin that fails is skipped with a ``kiln: warning: ...`` line; the rest of kiln works.
+    """
+    with warnings.catch_warnings():  # restores warnings.showwarning
+        warnings.showwarning = _show_warning(warnings.showwarning)
         try:
-            args = parser.parse_args(argv)
-        except SystemExit as exc:  # --help, --version, usage errors
-            return int(exc.code or 0)
-        run: Any = args._run
-        return int(run(args) or 0)
-    except KilnError as exc:
-        if env_flag("KILN_DEBUG"):
-            traceback.print_exc()
-        print(f"kiln: error: {exc}", file=sys.stderr)
-        return 2
+            parser = _parser()
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as exc:  # --help, --version, usage errors
+                return int(exc.code or 0)
+            run: Any = args._run
+            return int(run(args) or 0)
+        except KilnError as exc:
+            if env_flag("KILN_DEBUG"):
+                traceback.print_exc()
+            print(f"kiln: error: {exc}", file=sys.stderr)
+            return 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +121,9 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
                         "of those without recompute (0.5, 50%%)")
     p.add_argument("--batch", type=int, default=8, help="batch size B (default 8)")
     p.add_argument("--seq", type=int, default=256, help="sequence length T (default 256)")
+    p.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[=OPTIONS]",
+                   help="run a registered graph pass first (repeatable); OPTIONS is a JSON object, "
+                        "e.g. --pass 'lora={\"r\": 8}'")
     p.add_argument("--pareto", action="store_true",
                    help="print every auto plan: saved activations, planned peak and extra FLOPs")
 
@@ -142,6 +174,22 @@ def _load_model(name: str, config: str | None) -> Any:
     return build_bundle(name, cfg)
 
 
+def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME=JSON-OBJECT`` (a graph pass and its options)."""
+    import json
+
+    name, sep, options = text.partition("=")
+    if not sep:
+        return name
+    try:
+        parsed = json.loads(options)
+    except ValueError as exc:
+        raise KilnError(f"--pass {text!r}: the options after '=' are not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise KilnError(f"--pass {text!r}: the options must be a JSON object, found {type(parsed).__name__}")
+    return name, parsed
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from kiln.core._program import compile
     from kiln.core.recompute import _size
@@ -149,8 +197,13 @@ def run_plan(args: argparse.Namespace) -> int:
     bundle = _load_model(args.model, args.config)
     budget = parse_budget(args.budget)
     binds = {"B": args.batch, "T": args.seq}
-    prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget)
+    prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget,
+                   passes=[parse_pass(p) for p in args.passes])
     plan = prog.recompute
+    print("passes:")
+    for run in prog.passes:
+        print(f"  {run.stage:<18} {run.name:<24} {run.seconds * 1e3:8.1f} ms")
+    print()
     report = prog.memory_report()
     print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={args.batch} T={args.seq}, "
           f"planned by {plan.planner} in {plan.seconds * 1e3:.1f} ms")

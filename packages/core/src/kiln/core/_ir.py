@@ -37,6 +37,8 @@ MEMORY_HINTS = ("persistent", "save", "recompute", "temporary", "shared")
 SHARE_POLICIES = ("per_layer", "when_recomputed", "always_share", "fft_share", "lora_share")
 RECOMPUTE_POLICIES = ("always", "lora_only", "fft_only", "never")
 MODULE_KINDS = ("module", "block", "model", "primitive")
+#: what a parameter is for, independent of its name (optimizer groups, LoRA trainability)
+PARAM_ROLES = ("weight", "bias", "norm", "embedding", "adapter")
 
 
 def is_float(dtype: str) -> bool:
@@ -408,6 +410,17 @@ class ParamSpec(_IRNode):
     hf_mapping: Any = field(default=None, converter=freeze)
     init: FrozenDict = field(factory=FrozenDict, converter=_frozen_dict)
     description: str = field(default="", converter=_str)
+    #: one of PARAM_ROLES; None: inferred from the shape and init (see :meth:`inferred_role`)
+    role: str | None = field(default=None, converter=_opt(_choice(PARAM_ROLES)))
+
+    def inferred_role(self) -> str:
+        """The role, or when none is declared: a vector initialised to ones is a norm weight, another
+        vector a bias, anything else a weight."""
+        if self.role is not None:
+            return self.role
+        if len(self.shape) == 1:
+            return "norm" if self.init.get("kind") == "ones" else "bias"
+        return "weight"
 
 
 @attrs.frozen

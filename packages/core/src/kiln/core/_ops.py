@@ -1,6 +1,8 @@
-"""The op registry: per op type its schema, shape rule, NumPy reference kernel and backward rule.
+"""The op registry: per op type its schema, shape rule, traits, reference kernel and backward rule.
 
-An :class:`OpDef` keeps all four side by side. Kernels receive concrete values: NumPy arrays for
+An :class:`OpDef` keeps them side by side; the reference kernel (NumPy) is the op's meaning; the
+kernels backends run live in the kernel table (:mod:`kiln.core._kernels`). Kernels receive concrete
+values: NumPy arrays for
 inputs (``None`` for an omitted optional input) and attributes with defaults filled in, symbolic
 dims evaluated and dtypes mapped to NumPy dtypes. Backward rules build IR through a
 :class:`BackwardContext` and return one gradient tensor name per forward input (``None`` where the
@@ -20,7 +22,7 @@ from attrs import field
 from kiln.core._dims import DimExpr, Shape, evaluate_shape, parse_dim, parse_shape
 from kiln.core._errors import KilnError, OpError
 from kiln.core._ir import DTYPES, Graph, Op, TensorType, freeze, is_float
-from kiln.core._registry import NamedRegistry
+from kiln.core._registry import NamedRegistry, declare_kind
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -146,16 +148,23 @@ class OpDef:
     attrs: tuple[AttrSpec, ...] = field(default=(), converter=_tuple)
     samples: Callable[[np.random.Generator], Iterable[Sample]] | None = None
     cost: Callable[[Sequence[tuple[int, ...]], Mapping[str, Any]], Cost] | None = None
+    # -- traits: what planners and autodiff need to know about the op
+    #: draws random numbers (never replayed by the automatic recompute planner)
     random: bool = False
+    #: talks to other processes (never replayed)
     collective: bool = False
     #: indices of inputs that never receive a gradient (indices, masks), whatever their dtype
     nondiff_inputs: frozenset[int] = field(default=frozenset(), converter=_frozenset)
+    #: the output is its first input's bytes in the same order (a view): it shares the input's storage
+    alias: bool = False
+    #: dominated by multiply-adds (matmuls, grouped GEMMs): replayed only when a budget forces it
+    flop_heavy: bool = False
+    #: ops that rebuild some outputs from kept tensors instead of replaying this op: (op type,
+    #: {its input: this op's input or output schema name}, {its output: this op's output}); a fused
+    #: residual + rmsnorm's normalized output is ``rmsnorm_apply_saved`` of its kept sum and rstd
+    variants: tuple[tuple[str, Mapping[str, str], Mapping[str, str]], ...] = field(default=(),
+                                                                                converter=_tuple)
     doc: str = ""
-    #: optional ``out_kernel(*inputs, out=(arrays...), **attrs)`` writing into preallocated outputs
-    #: (planned backends call it instead of ``kernel`` plus a copy); same results as ``kernel``
-    out_kernel: Callable[..., None] | None = None
-    #: inputs whose storage ``out_kernel``'s first output may take over (elementwise, same shape)
-    inplace: frozenset[int] = field(default=frozenset(), converter=_frozenset)
 
     @property
     def variadic_inputs(self) -> bool:
@@ -399,3 +408,5 @@ __all__ = [
     "no_gradient",
     "numpy_dtype",
 ]
+
+declare_kind("ops", "kiln_register_ops", OpRegistry)

@@ -7,7 +7,7 @@ Lowering (seed 004 §9.7.3) is three passes, each a function of the previous res
    update become one list of :class:`Step`, every tensor named by a unique key
    (``blocks.3.attn.qkv`` for block tensor ``attn.qkv`` of layer 3) with a concrete shape;
 2. **lifetimes**: each tensor's first and last step; views and reshapes join the slot of their
-   input (free), and an op whose ``out_kernel`` allows it writes over an input that dies there;
+   input (free), and an op whose ``out=`` kernel allows it writes over an input that dies there;
 3. **placement**: weights, gradients and optimizer state first, at offsets that depend on the
    model only (every Program of a model shares them), then the inputs, then every other slot
    packed by lifetime (greedy by size, first fit).
@@ -34,14 +34,18 @@ from kiln.core._dims import evaluate_shape, parse_dim
 from kiln.core._errors import KilnError, OpError
 from kiln.core._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
 from kiln.core._ops import Cost, InferContext, OpRegistry
+from kiln.core._optim import Optimizer, make_optimizer
+from kiln.core._passes import PassRun, PassSpec, run_passes
 from kiln.core.recompute import BlockContext, BlockPlan, PlanContext, RecomputePlan, plan_recompute
 
 TRAINING_MODES = ("full", "lora")
 TASKS = ("train", "eval", "logits")
 DTYPES = ("float32", "float64")
 ALIGN = 64  # bytes; every slot starts at a multiple
-PHASES = ("forward", "backward", "optimizer")
-ALIAS_OPS = ("view", "reshape", "contiguous")  # same bytes, same order: the output shares storage
+#: a training step's phases in order; ``grad_sync`` is empty on one process (kiln-dist fills it)
+PHASES = ("forward", "backward", "grad_sync", "optimizer")
+WORKSPACE = "optimizer.workspace"
+FUSED_HEAD = "fused_lm_head_loss_and_grad"
 INPUTS = ("token_ids", "position_ids", "targets")
 SEED = "d_loss"  # the backward's seed, an input of every training Program
 
@@ -84,9 +88,10 @@ class Slot:
 
 @attrs.frozen
 class Step:
-    """One scheduled op. ``how``: ``kernel`` (reference kernel, result copied into the slot),
-    ``out`` (the op's ``out_kernel`` writes the slot), ``alias`` (nothing to run: the output
-    shares its input's storage), ``copy`` (a view that must land in its own slot), ``optimizer``.
+    """One scheduled op. ``how``: ``kernel`` (the kernel returns its results, copied into the slots),
+    ``out`` (an ``out=`` kernel writes the slots), ``alias`` (nothing to run: the output shares its
+    input's storage), ``copy`` (a view that must land in its own slot), ``optimizer`` (an update in
+    place, with the step's run-time scalars).
     ``recompute``: a forward op replayed in the backward (its outputs are ``<key>:recompute``)."""
 
     index: int
@@ -98,6 +103,8 @@ class Step:
     how: str
     attrs: FrozenDict = attrs.field(factory=FrozenDict)
     recompute: bool = False
+    #: the kernel-table key of the kernel that runs the step, or "" for the op's reference kernel
+    kernel: str = ""
 
     def __str__(self) -> str:
         where = f" [layer {self.layer}]" if self.layer is not None else ""
@@ -118,6 +125,20 @@ class ParamInfo:
     state: tuple[str, ...] = ()
 
 
+@attrs.frozen
+class Fusion:
+    """Steps a backend runs as one kernel when it runs them together (forward and backward in one
+    training step): ``kind`` names the backend capability and the kernel, ``steps`` the indices of the
+    steps it replaces, ``inputs``/``outputs`` the tensors it reads and writes, ``attrs`` its attributes."""
+
+    kind: str
+    steps: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: FrozenDict = attrs.field(factory=FrozenDict)
+    kernel: str = ""
+
+
 @attrs.frozen(eq=False)
 class Program:
     """Ordered steps (forward, backward, optimizer) and one arena plan; a backend runs it as planned."""
@@ -136,7 +157,9 @@ class Program:
     arena_bytes: int
     output: str  # "loss" (per token) or "logits"
     recompute: RecomputePlan
-    passes: tuple[tuple[str, float], ...]  # (pass, seconds)
+    passes: tuple[PassRun, ...]  # every pass compile ran: stage, name, seconds
+    fusions: tuple[Fusion, ...] = ()
+    optimizer: Optimizer | None = None
 
     def phase(self, name: str) -> tuple[Step, ...]:
         return tuple(s for s in self.steps if s.phase == name)
@@ -204,8 +227,8 @@ def _choice(what: str, value: str, valid: Sequence[str]) -> None:
 
 
 def _trains(spec: ParamSpec, mode: str) -> bool:
-    """Full fine-tuning trains every unfrozen parameter; LoRA only adapter parameters (``lora_*``)."""
-    return not spec.frozen and (mode == "full" or spec.name.rsplit(".", 1)[-1].startswith("lora_"))
+    """Full fine-tuning trains every unfrozen parameter; LoRA only parameters whose role is ``adapter``."""
+    return not spec.frozen and (mode == "full" or spec.inferred_role() == "adapter")
 
 
 def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping[str, int],
@@ -233,55 +256,90 @@ def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping
     return out
 
 
-def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: str = "numpy",
+@attrs.frozen
+class Target:
+    """What a Program is planned for: the backend (by registry name or object), its kernel table, the
+    optimizer whose update the optimizer phase runs, and the float type of compute."""
+
+    backend: Any
+    kernels: Any
+    optimizer: Optimizer | None
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, backend: Any = "numpy", optimizer: Any = "adamw", dtype: str = "float32",
+           kernels: Any = None) -> Target:
+        """Backend, kernel table and optimizer looked up in the current plugin session when given by name
+        (an optimizer may also be a dict ``{"name": ..., **settings}``)."""
+        from kiln.core._plugins import get_registry
+
+        _choice("dtype", dtype, DTYPES)
+        if isinstance(backend, str):
+            backend = get_registry("backends")[backend]  # an unknown backend names the plugin to install
+        if dtype not in tuple(getattr(backend, "dtypes", DTYPES)):
+            raise KilnError(f"backend {backend.name!r} computes in {', '.join(backend.dtypes)}, not {dtype}")
+        opt = make_optimizer(get_registry("optimizers"), optimizer) if not (
+            optimizer is None or isinstance(optimizer, Optimizer)) else optimizer
+        return cls(backend, kernels if kernels is not None else get_registry("kernels"), opt, dtype)
+
+
+def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: Any = "numpy",
             mode: str = "full", recompute: str = "none", recompute_budget: float | None = None,
             recompute_options: Mapping[str, Any] | None = None, memory_budget: int | None = None,
-            modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: str | None = "adamw",
-            dtype: str = "float32", registry: OpRegistry | None = None) -> Program:
-    """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``).
+            modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: Any = "adamw",
+            dtype: str = "float32", registry: OpRegistry | None = None, kernels: Any = None,
+            passes: Sequence[PassSpec] = ()) -> Program:
+    """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``), planned
+    for ``backend`` (a registered name or a backend object): every op runs the kernel the kernel table
+    has for it there (an op without one is an error naming both), and fusions the backend implements
+    are planned.
 
-    ``task="train"`` schedules forward, backward and (with ``optimizer="adamw"``) the update;
-    ``task="eval"`` the forward and its loss, ``task="logits"`` the forward with the LM-head loss
-    replaced by its logits; both are inference, as a model in eval mode: dropout is off. ``dtype``
-    is the float type float tensors compute in. Weights, gradients and optimizer state are laid out
-    the same way for every task and binding, so all Programs of a model can share one arena.
+    ``task="train"`` schedules forward, backward, ``grad_sync`` (empty on one process) and the
+    ``optimizer``'s update (an :class:`~kiln.core.Optimizer`, a registered name such as ``"adamw"`` or
+    ``"sgd"``, a dict ``{"name": ..., **settings}``, or None for no update); ``task="eval"`` the
+    forward and its loss, ``task="logits"`` the forward with the LM-head loss replaced by its logits;
+    both are inference, as a model in eval mode: dropout is off. ``dtype`` is the float type float
+    tensors compute in. Weights, gradients and optimizer state are laid out the same way for every task
+    and binding, so all Programs of a model can share one arena.
     ``recompute``: ``none``, ``dsl``, ``auto`` or ``block`` (see :mod:`kiln.core.recompute`);
     ``recompute_budget``: the auto planner's budget, the saved activations allowed in bytes (int) or
-    as a fraction of the no-recompute ones (float), 0.5 by default.
+    as a fraction of the no-recompute ones (float), 0.5 by default. ``passes``: graph passes from the
+    ``graph_passes`` registry to run first, each a name or ``(name, options)`` (``("lora", {"r": 8})``),
+    by stage (``adapt``, then ``shard``); every pass run is recorded in ``Program.passes``.
     """
-    from kiln.core._plugins import get_registry
-
-    t0 = time.perf_counter()
     _choice("mode", mode, TRAINING_MODES)
     _choice("task", task, TASKS)
-    _choice("dtype", dtype, DTYPES)
-    if optimizer not in ("adamw", None):
-        raise KilnError(f"optimizer={optimizer!r} is not valid; expected 'adamw' or None")
-    get_registry("backends")[backend]  # an unknown backend fails here, naming the plugin to install
+    target = Target.of(backend, optimizer, dtype, kernels)
+    runs: list[PassRun] = []
+    if passes:
+        from kiln.core._plugins import get_registry
+
+        module_ir, runs = run_passes(_as_bundle(module_ir, modules), passes, get_registry("graph_passes"))
+        modules = None
+    t0 = time.perf_counter()
     model, mods = _resolve(module_ir, modules)
     if task != "train":
         model, mods = _inference(model), {k: _inference(m) for k, m in mods.items()}
-    if registry is None:
-        from kiln.core._oplib import op_registry
-
-        registry = op_registry()
-    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
-    s = _Scheduler(model, mods, registry, binds, np.dtype(dtype), mode)
+    s = _Scheduler(model, mods, _ops_registry(registry), target, _binds(model, bindings), mode)
     s.schedule_forward(task)
     plan = RecomputePlan("none", mode)
     if task == "train":
         plan = plan_recompute(s.plan_context(), recompute, budget=recompute_budget,
-                              options={"measure": _measure(s, optimizer), **(recompute_options or {})})
-    s.schedule_rest(task, optimizer, plan)
+                              options={"measure": _measure(s), **(recompute_options or {})})
+    s.schedule_rest(task, plan)
     t1 = time.perf_counter()
     slots, tensors, persistent, arena = _place(s)
+    fusions = _fusions(s, tensors) if task == "train" else ()
     t2 = time.perf_counter()
     program = Program(
-        name=model.name, backend=backend, task=task, mode=mode, dtype=dtype, bindings=FrozenDict(binds),
-        steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots), params=tuple(s.param_infos()),
-        persistent_bytes=persistent, arena_bytes=arena, output="logits" if task == "logits" else "loss",
-        recompute=plan, passes=(("schedule", t1 - t0 - plan.seconds), ("plan_recompute", plan.seconds),
-                                ("plan_memory", t2 - t1)),
+        name=model.name, backend=target.backend.name, task=task, mode=mode, dtype=dtype,
+        bindings=FrozenDict(s.binds), steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots),
+        params=tuple(s.param_infos()), persistent_bytes=persistent, arena_bytes=arena,
+        output="logits" if task == "logits" else "loss", recompute=plan,
+        passes=(*runs, PassRun("autodiff+schedule", "schedule", t1 - t0 - plan.seconds),
+                PassRun("recompute", plan.planner or plan.mode, plan.seconds),
+                PassRun("memory", "place", t2 - t1)),
+        fusions=fusions, optimizer=target.optimizer if task == "train" else None,
     )
     if memory_budget is not None and arena > memory_budget:
         raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
@@ -289,42 +347,54 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     return program
 
 
+def _as_bundle(module_ir: Bundle | Module, modules: Mapping[str, Module] | None) -> Bundle:
+    model, mods = _resolve(module_ir, modules)
+    return Bundle((model, *(m for name, m in mods.items() if name != model.name)), entry=model.name)
+
+
+def _ops_registry(registry: OpRegistry | None) -> OpRegistry:
+    if registry is not None:
+        return registry
+    from kiln.core._plugins import get_registry
+
+    ops: OpRegistry = get_registry("ops")  # type: ignore[assignment]
+    return ops
+
+
+def _binds(model: Module, bindings: Mapping[str, int]) -> dict[str, int]:
+    return {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+
+
 def _context(module_ir: Bundle | Module, *, bindings: Mapping[str, int], mode: str,
              modules: Mapping[str, Module] | None, dtype: str, registry: OpRegistry | None) -> PlanContext:
     _choice("mode", mode, TRAINING_MODES)
     model, mods = _resolve(module_ir, modules)
-    if registry is None:
-        from kiln.core._oplib import op_registry
-
-        registry = op_registry()
-    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
-    s = _Scheduler(model, mods, registry, binds, np.dtype(dtype), mode)
+    s = _Scheduler(model, mods, _ops_registry(registry), Target.of(dtype=dtype), _binds(model, bindings),
+                   mode)
     s.schedule_forward("train")
     return s.plan_context()
 
 
 def measure(module_ir: Bundle | Module, bindings: Mapping[str, int], mode: str = "full", *,
             modules: Mapping[str, Module] | None = None, dtype: str = "float32",
-            optimizer: str | None = "adamw") -> Callable[[RecomputePlan], int]:
+            optimizer: Any = "adamw", backend: Any = "numpy") -> Callable[[RecomputePlan], int]:
     """plan -> the activation peak (arena minus weights, gradients, optimizer state, inputs and outputs)
     of the training Program compiled with that plan."""
-    from kiln.core._oplib import op_registry
-
     _choice("mode", mode, TRAINING_MODES)
     model, mods = _resolve(module_ir, modules)
-    binds = {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
-    s = _Scheduler(model, mods, op_registry(), binds, np.dtype(dtype), mode)
+    s = _Scheduler(model, mods, _ops_registry(None), Target.of(backend, optimizer, dtype),
+                   _binds(model, bindings), mode)
     s.schedule_forward("train")
-    return _measure(s, optimizer)
+    return _measure(s)
 
 
 FIXED_KINDS = ("weight", "gradient", "optimizer_state", "input", "output")
 
 
-def _measure(s: _Scheduler, optimizer: str | None) -> Callable[[RecomputePlan], int]:
+def _measure(s: _Scheduler) -> Callable[[RecomputePlan], int]:
     def peak(plan: RecomputePlan) -> int:
         trial = s.fork()
-        trial.schedule_rest("train", optimizer, plan)
+        trial.schedule_rest("train", plan)
         slots, _, _, arena = _place(trial)
         return arena - sum(sl.nbytes for sl in slots if sl.kind in FIXED_KINDS)
 
@@ -347,10 +417,10 @@ class _Call:
 
 
 class _Scheduler:
-    def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, binds: dict[str, int],
-                 float_dtype: np.dtype[Any], mode: str) -> None:
+    def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, target: Target,
+                 binds: dict[str, int], mode: str) -> None:
         self.model, self.modules, self.registry, self.binds = model, modules, registry, binds
-        self.float_dtype, self.mode = float_dtype, mode
+        self.target, self.float_dtype, self.mode = target, np.dtype(target.dtype), mode
         self.steps: list[Step] = []
         self.types: dict[str, tuple[tuple[int, ...], str]] = {}  # key -> (shape, IR dtype)
         self.kinds: dict[str, str] = {}  # pinned keys: weight, gradient, optimizer_state, input
@@ -358,7 +428,8 @@ class _Scheduler:
         self.trainable = {key for key, _, _, t in self.params if t}
         self.grads: dict[str, str] = {}  # param key -> key of its gradient tensor
         self.calls: dict[tuple[str, ...], _Call] = {}
-        self.optimizer: str | None = None
+        self.optimizer: Optimizer | None = target.optimizer
+        self.update = False  # whether the optimizer phase is scheduled
         self._derived: dict[tuple[str, DeriveBackwardOptions], Any] = {}
         self._added: dict[Any, Any] = {}
         self._np_dtypes: dict[str, str] = {}
@@ -397,14 +468,19 @@ class _Scheduler:
                                 f"{f' in layer {layer}' if layer is not None else ''}: {exc.message}",
                                 code=exc.code or "E004") from None
             kattrs = FrozenDict(opdef.kernel_attrs(resolved, binds, self.float_dtype))
-            how = "alias" if op.type in ALIAS_OPS else "out" if opdef.out_kernel is not None else "kernel"
-            self._added[memo] = (inferred, kattrs, how)
-        inferred, kattrs, how = self._added[memo]
+            if opdef.alias:
+                how, kernel = "alias", ""
+            else:
+                found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+                how, kernel = ("out" if found.out else "kernel"), ("" if found.backend == "reference" else
+                                                                  _kernel_key(found))
+            self._added[memo] = (inferred, kattrs, how, kernel)
+        inferred, kattrs, how, kernel = self._added[memo]
         for k, t in zip(outs, inferred, strict=True):
             if k:
                 self.types[k] = t
         self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how, kattrs,
-                               recompute))
+                               recompute, kernel))
 
     def declare(self, key: str, shape: Sequence[Any], dtype: str, binds: Mapping[str, int],
                 kind: str) -> None:
@@ -416,8 +492,8 @@ class _Scheduler:
                 for key, spec, shape, trainable in self.params]
 
     def state(self, key: str) -> tuple[str, ...]:
-        trained = key in self.trainable and self.optimizer
-        return tuple(f"adamw.{m}.{key}" for m in ("m", "v")) if trained else ()
+        opt = self.optimizer
+        return tuple(f"{opt.name}.{m}.{key}" for m in opt.state) if opt and key in self.trainable else ()
 
     # -- the passes over the graphs
 
@@ -458,8 +534,7 @@ class _Scheduler:
         new.shared = {}
         return new
 
-    def schedule_rest(self, task: str, optimizer: str | None, plan: RecomputePlan) -> None:
-        self.optimizer = optimizer
+    def schedule_rest(self, task: str, plan: RecomputePlan) -> None:
         self.plan = plan
         if task == "train":
             self.backward(self.graph, self.env)
@@ -468,11 +543,11 @@ class _Scheduler:
             missing = key in self.trainable and key not in self.grads
             for k in [*([f"grad.{key}"] if missing else []), *self.state(key)]:
                 self.types[k] = (shape, "fp32")
-                self.kinds[k] = "optimizer_state" if k.startswith("adamw.") else "gradient"
+                self.kinds[k] = "gradient" if k == f"grad.{key}" else "optimizer_state"
             if key in self.trainable:
                 self.grads.setdefault(key, f"grad.{key}")
-        if task == "train" and optimizer is not None:
-            self.optimizer_steps()
+        if task == "train" and self.optimizer is not None:
+            self.optimizer_steps(self.optimizer)
 
     # -- what the recompute planner sees
 
@@ -481,9 +556,19 @@ class _Scheduler:
         return _align(math.prod(shape) * np.dtype(self.np_dtype(dt)).itemsize)
 
     def derived(self, graph: Graph, opts: DeriveBackwardOptions) -> Any:
+        """The backward of ``graph``: its module's explicit ``backward`` (validated, and checked against
+        the derived one by :func:`kiln.core.autodiff.explicit_backward`), else the derived one."""
         key = (graph.name, opts)
         if key not in self._derived:
-            self._derived[key] = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+            owner = next((m for m in (self.model, *self.modules.values()) if m.forward is graph), None)
+            if owner is not None and owner.backward is not None:
+                from kiln.core._explicit import explicit_backward
+
+                res = explicit_backward(owner, loss_name=opts.loss_name, registry=self.registry,
+                                        modules=self.modules)
+            else:
+                res = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+            self._derived[key] = res
         return self._derived[key]
 
     def block_options(self, call: _Call) -> DeriveBackwardOptions:
@@ -706,19 +791,30 @@ class _Scheduler:
             if name and key is not None:
                 benv[name] = key
 
-    def optimizer_steps(self) -> None:
-        trained = [(key, shape) for key, _, shape, t in self.params if t]
+    def optimizer_steps(self, opt: Optimizer) -> None:
+        """The global gradient norm, then one ``opt.update_op`` per trained parameter with the attributes
+        of its parameter group; they read one scratch buffer (``optimizer.workspace``)."""
+        trained = [(key, spec, shape) for key, spec, shape, t in self.params if t]
         if not trained:
             return
-        ws = "adamw.workspace"
-        self.types[ws] = ((max(math.prod(s) for _, s in trained),), "fp32")
-        grads = tuple(self.grads[k] for k, _ in trained)
-        self.steps.append(Step(len(self.steps), "optimizer", Op("grad_norm", grads, ()), None, grads, (),
-                               "optimizer"))
-        for key, _ in trained:
-            ins = (key, self.grads[key], f"adamw.m.{key}", f"adamw.v.{key}", ws)
-            self.steps.append(Step(len(self.steps), "optimizer", Op("adamw", ins, ()), None, ins, (),
-                                   "optimizer"))
+        self.update = True
+        self.types[WORKSPACE] = ((max(math.prod(s) for _, _, s in trained),), "fp32")
+        grads = tuple(self.grads[k] for k, _, _ in trained)
+        self.add_update(Op("grad_norm", grads, ()), {})
+        for key, spec, _ in trained:
+            ins = (key, self.grads[key], *self.state(key), WORKSPACE)
+            self.add_update(Op(opt.update_op, ins, ()), opt.update_attrs(key, spec.inferred_role()))
+
+    def add_update(self, op: Op, attrs_: Mapping[str, Any]) -> None:
+        opdef = self.registry.get_op(op.type)
+        found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+        kernel = "" if found.backend == "reference" else _kernel_key(found)
+        self.steps.append(Step(len(self.steps), "optimizer", op, None, op.inputs, (), "optimizer",
+                               FrozenDict(opdef.resolve_attrs(attrs_)), kernel=kernel))
+
+
+def _kernel_key(k: Any) -> str:
+    return f"{k.op}@{k.backend}:{k.dtype}"
 
 
 class _Replay:
@@ -803,15 +899,15 @@ def _logits_graph(graph: Graph) -> Graph:
 Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
 
 
-def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]], optimizer: str | None,
-                      float_dtype: np.dtype[Any]) -> tuple[Layout, int]:
+def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]],
+                      optimizer: Optimizer | None, float_dtype: np.dtype[Any]) -> tuple[Layout, int]:
     """The head of every arena of a model: (slot, kind, parameter, shape, offset, bytes) for each
-    weight, then each trained parameter's gradient, then its AdamW moments; and the total bytes."""
+    weight, then each trained parameter's gradient, then its optimizer state; and the total bytes."""
     entries = [(k, "weight", k, shape) for k, _, shape, _ in params]
     entries += [(f"grad.{k}", "gradient", k, shape) for k, _, shape, t in params if t]
     if optimizer is not None:
-        entries += [(f"adamw.{m}.{k}", "optimizer_state", k, shape) for k, _, shape, t in params if t
-                    for m in ("m", "v")]
+        entries += [(f"{optimizer.name}.{m}.{k}", "optimizer_state", k, shape) for k, _, shape, t in params
+                    if t for m in optimizer.state]
     out: Layout = []
     offset = 0
     for name, kind, param, shape in entries:
@@ -819,6 +915,43 @@ def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bo
         out.append((name, kind, param, shape, offset, size))
         offset += size
     return out, offset
+
+
+def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]:
+    """The LM-head loss and its backward as one pass, where the backend implements it.
+
+    The forward's last step is the LM-head loss and the backward's first is its backward, seeded by the
+    Program input ``d_loss`` (set before the forward runs): one pass can compute the loss and the
+    gradients without the backward's recompute of the logits. Only when the gradient slots overlap
+    none of the forward step's tensors; a run of the forward alone keeps the plain step.
+    """
+    backend = s.target.backend
+    if FUSED_HEAD not in getattr(backend, "capabilities", ()):
+        return ()
+    kernel = next((k for name in (backend.name, getattr(backend, "kernel_fallback", None)) if name
+                   for k in [s.target.kernels.find(FUSED_HEAD, name, s.target.dtype)] if k is not None), None)
+    steps = {ph: [st for st in s.steps if st.phase == ph and st.how != "alias"]
+             for ph in ("forward", "backward")}
+    if kernel is None or not steps["forward"] or not steps["backward"]:
+        return ()
+    fwd, bwd = steps["forward"][-1], steps["backward"][0]
+    keys = ("ignore_index", "chunk_size", "softcap")
+    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
+            or {k: fwd.attrs.get(k) for k in keys} != {k: bwd.attrs.get(k) for k in keys} \
+            or fwd.attrs.get("softcap") is not None or bwd.inputs[0] != SEED \
+            or tuple(bwd.inputs[1:4]) != tuple(fwd.inputs) or bwd.inputs[4] != fwd.outputs[1] \
+            or bwd.inputs[5] or not all(fwd.outputs):
+        return ()
+
+    def ranges(names: Sequence[str]) -> list[tuple[int, int]]:
+        return [(tensors[k].offset, tensors[k].offset + tensors[k].nbytes) for k in names if k]
+
+    read = ranges([*fwd.inputs, *fwd.outputs, SEED])
+    if any(a < d and c < b for a, b in ranges(bwd.outputs) for c, d in read):
+        return ()
+    return (Fusion(FUSED_HEAD, (fwd.index, bwd.index), (SEED, *fwd.inputs), (*fwd.outputs, *bwd.outputs[:2]),
+                   FrozenDict({"ignore_index": int(fwd.attrs.get("ignore_index", -100))}),
+                   _kernel_key(kernel)),)
 
 
 def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
@@ -837,7 +970,7 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
     for st in steps:
         if st.how == "optimizer":
             continue
-        opdef = s.registry.get_op(st.op.type)
+        inplace = s.target.kernels[st.kernel].inplace if st.how == "out" and st.kernel else frozenset()
         taken: set[str] = set()
         for k_out, out in enumerate(st.outputs):
             if not out:
@@ -850,7 +983,7 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
             if st.how == "alias":
                 r = root[st.inputs[0]]
             elif st.how == "out" and k_out == 0:
-                for j in sorted(opdef.inplace):
+                for j in sorted(inplace):
                     cand = root.get(st.inputs[j]) if j < len(st.inputs) and st.inputs[j] else None
                     if (cand is not None and cand not in s.kinds and cand not in taken
                             and max(last.get(m, -1) for m in members[cand]) == st.index
@@ -894,8 +1027,8 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
         size = _align(nbytes[k])
         slots.append(Slot(k, kind, size, offset, 0, n - 1, tuple(members[k])))
         offset += size
-    ws = "adamw.workspace"
-    if ws in s.types:  # the optimizer's scratch: a transient that lives through the optimizer phase
+    ws = WORKSPACE
+    if ws in s.types and s.update:  # the optimizer's scratch: lives through the optimizer phase
         first_opt = next(st.index for st in steps if st.phase == "optimizer")
         root[ws], members[ws], birth[ws], last[ws] = ws, [ws], 2 * first_opt, n - 1
 

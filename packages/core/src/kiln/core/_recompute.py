@@ -5,7 +5,9 @@ become ops, merged by ``recompute_group`` (one leader carries the op) or by iden
 inputs, attrs); aliases expand to their slot; ``@input:``, ``@param:``, ``@global:`` and optional
 ``?`` dependencies resolve against the block; outputs absent by condition are dropped; the ops are
 ordered topologically. Each active op is then bound to the forward ops that compute its outputs
-from its declared inputs: those are what the backward replays.
+from its declared inputs: those are what the backward replays. The block's forward graph adds its
+own hints: a tensor its ``recompute`` list names is replayed by the op that produces it, and one its
+``save`` list names is kept, whatever the slots say.
 
 block (seed 001): keep each block's inputs and its persistent slots (``save=True`` and not
 recompute); everything else the backward reads is replayed, the whole block at once.
@@ -32,7 +34,10 @@ from kiln.core.recompute import (
     policy_active,
 )
 
-ALIAS_OPS = ("view", "reshape", "contiguous")
+
+def is_alias(op: Op, registry: OpRegistry | None) -> bool:
+    """Whether ``op``'s output shares its input's storage (the op's ``alias`` trait)."""
+    return registry is not None and op.type in registry and registry.get_op(op.type).alias
 SHARING = {"per_layer": (), "when_recomputed": ("full", "lora"), "always_share": ("full", "lora"),
            "fft_share": ("full",), "lora_share": ("lora",)}
 
@@ -310,25 +315,26 @@ def _names(slots: Iterable[ActivationSlot]) -> str:
 class _Forward:
     """The forward graph of a block: producers, roots of aliases, inputs and parameters."""
 
-    def __init__(self, g: Graph) -> None:
+    def __init__(self, g: Graph, registry: OpRegistry | None) -> None:
         self.g = g
+        self.alias = [is_alias(op, registry) for op in g.ops]
         self.producer = g.producers()
         self.params = {d.name for d in g.params}
         self.inputs = {d.name for d in g.inputs}
         self.root: dict[str, str] = {}
         for name in (*self.inputs, *self.params):
             self.root[name] = name
-        for op in g.ops:
+        for op, alias in zip(g.ops, self.alias, strict=True):
             for o in op.outputs:
                 if o:
-                    self.root[o] = self.root[op.inputs[0]] if op.type in ALIAS_OPS else o
+                    self.root[o] = self.root[op.inputs[0]] if alias else o
         self.tensors = set(self.root)
 
     def viewed(self, t: str, names: set[str]) -> bool:
         """Whether ``t`` is one of ``names`` or a chain of views of one."""
         while t not in names:
             k = self.producer.get(t)
-            if k is None or self.g.ops[k].type not in ALIAS_OPS:
+            if k is None or not self.alias[k]:
                 return False
             t = self.g.ops[k].inputs[0]
         return True
@@ -355,26 +361,16 @@ def saved_variant(op: Op, registry: OpRegistry | None) -> Op | None:
 
 
 #: Replays that rebuild some of an op's outputs from others it produced (kept) besides
-#: ``<op>_apply_saved``: op type -> (replay op type, {its input: the op's input or output schema name},
-#: {its output: the op's output schema name}). A fused residual + rmsnorm's normalized output is
-#: ``rmsnorm_apply_saved`` of its kept sum and rstd: elementwise, bitwise equal to the forward's.
-OUTPUT_VARIANTS: dict[str, tuple[tuple[str, dict[str, str], dict[str, str]], ...]] = {
-    "fused_residual_rmsnorm": (
-        ("rmsnorm_apply_saved", {"x": "residual_out", "rstd": "rstd", "weight": "weight"}, {"y": "y"}),
-    ),
-}
-
-
 def replay_variants(op: Op, registry: OpRegistry | None) -> list[Op]:
     """Ops that rebuild part of ``op``'s outputs from its inputs and the rest of its outputs (kept):
-    its ``<op>_apply_saved`` variant, then those of :data:`OUTPUT_VARIANTS`."""
+    its ``<op>_apply_saved`` variant, then those of its ``variants`` trait."""
     found = [v for v in (saved_variant(op, registry),) if v is not None]
     if registry is None or op.type not in registry:
         return found
     fwd = registry.get_op(op.type)
     names = {n.strip("?*"): t for n, t in zip(fwd.inputs, op.inputs, strict=False)}
     names |= {n.strip("?*"): t for n, t in zip(fwd.outputs, op.outputs, strict=False)}
-    for kind, ins, outs in OUTPUT_VARIANTS.get(op.type, ()):
+    for kind, ins, outs in fwd.variants:
         if kind not in registry:
             continue
         var = registry.get_op(kind)
@@ -432,7 +428,7 @@ def bind(ctx: BlockContext, ops: Sequence[RecomputeOp], gated: Sequence[str], tr
     where = f"block {block.name!r}"
     if block.forward is None:
         return BlockPlan(block.name, ctx.layers, ops, gated=gated)
-    fwd = _Forward(block.forward)
+    fwd = _Forward(block.forward, registry)
     slots = {s.name: s for s in block.activations.slots}
     alias = {n: s.name for s in slots.values() for n in (s.name, *s.aliases)}
 
@@ -440,8 +436,14 @@ def bind(ctx: BlockContext, ops: Sequence[RecomputeOp], gated: Sequence[str], tr
         s = slots[slot]
         return [n for n in (s.name, *s.aliases) if n in fwd.tensors]
 
+    for rop in ops:
+        _check_attrs(rop, registry, where)
+    forced = _save_list(fwd, where)  # kept, whatever the slots say
+    by_slot = {n for s in slots.values() if s.recompute for n in (s.name, *s.aliases)}  # their slot rules
+    hinted = [t for t in block.forward.recompute if t not in forced and t not in by_slot]
+    ops = [rop for rop in ops if not all(set(tensors(o)) & forced for o in rop.outputs)]
     made = {o for op in ops for o in op.outputs}
-    keep = {t for s in slots.values() if s.name not in made for t in tensors(s.name)}
+    keep = {t for s in slots.values() if s.name not in made for t in tensors(s.name)} - set(hinted) | forced
     owner: dict[int, str] = {}
     bound = []
     for rop in ops:
@@ -481,17 +483,105 @@ def bind(ctx: BlockContext, ops: Sequence[RecomputeOp], gated: Sequence[str], tr
                   for k in sorted(segment)]
         bound.append(attrs.evolve(rop, replay=tuple(replay), rng=_rng(replay, registry, where),
                                   flops=sum(ctx.costs[k].flops for k in segment)))
+    bound = _in_order([*bound, *_hinted(ctx, fwd, hinted, bound, keep, registry, where)])
     produced = {o for rop in bound for op in rop.replay for o in op.outputs if o}
     recomputed = produced - keep
     # a view of a recomputed tensor is recomputed too (for free): reading the forward one would keep it
     unit = {o: u for u, rop in enumerate(bound) for op in rop.replay for o in op.outputs if o}
     for op in block.forward.ops:
-        if op.type in ALIAS_OPS and op.inputs[0] in recomputed and op.outputs[0] not in produced | keep:
+        if is_alias(op, registry) and op.inputs[0] in recomputed and op.outputs[0] not in produced | keep:
             u = unit[op.inputs[0]]
             bound[u] = attrs.evolve(bound[u], replay=(*bound[u].replay, op))
             unit[op.outputs[0]] = u
             recomputed.add(op.outputs[0])
     return _finish(ctx, fwd, bound, recomputed, gated, training, whole_block=False)
+
+
+def _check_attrs(rop: RecomputeOp, registry: OpRegistry | None, where: str) -> None:
+    """``recompute_attrs`` are attributes of the recompute op (or annotations, named ``_*``)."""
+    if registry is None or rop.op_type is None:
+        return
+    takes = {a.name for a in registry.get_op(rop.op_type).attrs}
+    bad = [k for k in rop.attrs if k not in takes and not k.startswith("_")]
+    if bad:
+        raise KilnError(f"{where}: recompute op {rop.name!r} declares recompute_attrs "
+                        f"{', '.join(map(repr, bad))}, which op {rop.op_type!r} does not take (it takes "
+                        f"{', '.join(sorted(takes)) or 'none'})", code="E003",
+                        hint="drop it; a note kiln should keep but not use is named '_<key>'")
+
+
+def _save_list(fwd: _Forward, where: str) -> set[str]:
+    """The forward graph's ``save`` list, after checking it and the ``recompute`` list name its tensors."""
+    for kind, names in (("save", fwd.g.save), ("recompute", fwd.g.recompute)):
+        for n in names:
+            if n not in fwd.tensors:
+                raise KilnError(f"{where}: its forward graph's {kind} list names {n!r}, which is not a "
+                                "tensor of the block", code="E002", hint="name a tensor the block computes")
+    return set(fwd.g.save)
+
+
+def _hinted(ctx: BlockContext, fwd: _Forward, hinted: Sequence[str], bound: Sequence[RecomputeOp],
+            keep: AbstractSet[str], registry: OpRegistry | None, where: str) -> list[RecomputeOp]:
+    """Ops for the tensors ``hinted`` by the forward graph's ``recompute`` list (``@recompute``,
+    ``mark_recompute``; less those of its ``save`` list and those a slot marks recompute, which
+    follow their slot's op and policy): each is replayed by the forward op that produces it, from what
+    that op reads (kept, or recomputed in turn). One the backward never reads needs nothing."""
+    g = fwd.g
+    produced = {o for rop in bound for op in rop.replay for o in op.outputs if o}
+    wanted: dict[int, list[str]] = {}
+    for t in hinted:
+        k = fwd.producer.get(t)
+        if k is None:
+            raise KilnError(f"{where}: its forward graph's recompute list names {t!r}, a block input or "
+                            "parameter, which no op of the block computes", code="E021",
+                            hint="list tensors the block's ops produce")
+        if t not in produced:
+            wanted.setdefault(k, []).append(t)
+    need: set[str] = set()
+
+    def read(t: str) -> None:  # reading a view reads the tensor it views
+        while t and t not in need:
+            need.add(t)
+            k = fwd.producer.get(t)
+            t = g.ops[k].inputs[0] if k is not None and fwd.alias[k] else ""
+
+    for t in (*ctx.saves, *fwd.reads(op for rop in bound for op in rop.replay)):
+        read(t)
+    out = []
+    for k in sorted(wanted, reverse=True):  # consumers first: what a replay reads is needed in turn
+        op = g.ops[k]
+        if not any(o in need for o in op.outputs if o):
+            continue
+        if registry is not None and registry.get_op(op.type).collective:
+            raise KilnError(f"{where}: {wanted[k][0]!r} is listed for recompute, but op {op.type!r} that "
+                            "produces it is a collective, never replayed", code="E021",
+                            hint="save it instead")
+        rep = _replay_op(op, fwd, keep, registry)
+        for i in rep.inputs:
+            read(i)
+        out.append(RecomputeOp(wanted[k][0], rep.type, [i for i in rep.inputs if i],
+                               [o for o in rep.outputs if o], rep.attrs, replay=(rep,),
+                               rng=_rng((rep,), registry, where), flops=ctx.costs[k].flops))
+    return out[::-1]
+
+
+def _in_order(ops: Sequence[RecomputeOp]) -> list[RecomputeOp]:
+    """``ops`` with each after the ops whose outputs it replays from (otherwise in the given order)."""
+    unit = {o: u for u, rop in enumerate(ops) for op in rop.replay for o in op.outputs if o}
+    out: list[RecomputeOp] = []
+    seen: set[int] = set()
+
+    def visit(u: int) -> None:
+        seen.add(u)
+        for d in sorted({unit[i] for op in ops[u].replay for i in op.inputs if i in unit}):
+            if d not in seen:
+                visit(d)
+        out.append(ops[u])
+
+    for u in range(len(ops)):
+        if u not in seen:
+            visit(u)
+    return out
 
 
 def _finish(ctx: BlockContext, fwd: _Forward, ops: Sequence[RecomputeOp], recomputed: set[str],
@@ -539,7 +629,7 @@ def replay_plan(ctx: BlockContext, replayed: set[int], registry: OpRegistry | No
     ``variants`` maps more forward ops to the :func:`replay_variants` entry that rebuilds part of their
     outputs (the rest are kept)."""
     assert ctx.module.forward is not None
-    fwd = _Forward(ctx.module.forward)
+    fwd = _Forward(ctx.module.forward, registry)
     g = fwd.g
     partial = {k: replay_variants(g.ops[k], registry)[v] for k, v in (variants or {}).items()}
     roots = {o for k in replayed for o in g.ops[k].outputs if o} - keep
@@ -553,7 +643,7 @@ def replay_plan(ctx: BlockContext, replayed: set[int], registry: OpRegistry | No
             ops.append(RecomputeOp(rep.outputs[0], rep.type, [i for i in rep.inputs if i],
                                    [o for o in rep.outputs if o], rep.attrs, replay=(rep,),
                                    rng=_rng((rep,), registry, where), flops=ctx.costs[k].flops))
-        elif k in replayed or (op.type in ALIAS_OPS and op.outputs[0] in recomputed):
+        elif k in replayed or (fwd.alias[k] and op.outputs[0] in recomputed):
             rep = _replay_op(op, fwd, keep, registry)
             ops.append(RecomputeOp(op.outputs[0], op.type, [i for i in op.inputs if i],
                                    [o for o in op.outputs if o], op.attrs, replay=(rep,),
@@ -564,7 +654,7 @@ def replay_plan(ctx: BlockContext, replayed: set[int], registry: OpRegistry | No
 def plan_block(ctx: BlockContext, registry: OpRegistry | None, training: str) -> BlockPlan:
     """Seed 001: keep the block inputs and persistent slots, replay all the rest, whole block at once."""
     assert ctx.module.forward is not None
-    fwd = _Forward(ctx.module.forward)
+    fwd = _Forward(ctx.module.forward, registry)
     where = f"block {ctx.name!r}"
     cfg = ctx.module.config
     persistent = {n for s in ctx.module.activations.slots if s.save and not s.recompute and (
@@ -595,6 +685,11 @@ def plan_modes(context: PlanContext, mode: str) -> RecomputePlan:
     from kiln.core._recompute_auto import model_bytes
 
     blocks = []
+    hints = context.model.forward.recompute if context.model.forward is not None else ()
+    if mode == "dsl" and hints:
+        raise KilnError(f"model {context.model.name!r}: its forward graph's recompute list names "
+                        f"{', '.join(map(repr, hints))}, but the dsl planner recomputes tensors of repeated "
+                        "blocks only", code="E021", hint="list them in the block's recompute list instead")
     for ctx in context.blocks:
         if ctx.module.forward is None:
             continue
@@ -618,7 +713,7 @@ def check_plan(plan: RecomputePlan, context: PlanContext) -> None:
     for b in plan.blocks:
         ctx = context.block(b.module)
         assert ctx.module.forward is not None
-        fwd = _Forward(ctx.module.forward)
+        fwd = _Forward(ctx.module.forward, context.registry)
         made: set[str] = set()
         for rop in b.ops:
             for op in rop.replay:

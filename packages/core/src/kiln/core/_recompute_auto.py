@@ -19,12 +19,8 @@ from typing import Any
 
 from kiln.core._errors import KilnError
 from kiln.core._ops import OpRegistry
-from kiln.core._recompute import ALIAS_OPS, _Forward, replay_plan, replay_variants, replayable
+from kiln.core._recompute import _Forward, replay_plan, replay_variants, replayable
 from kiln.core.recompute import BlockContext, BlockPlan, ParetoPoint, PlanContext, RecomputePlan
-
-#: ops replayed "only when the budget forces it": matmuls, grouped GEMMs and attention
-MATMUL_OPS = frozenset({"matmul", "batched_matmul", "matmul_bias", "moe_grouped_gemm_gate_up",
-                        "moe_grouped_gemm_down", "flash_attention", "attention"})
 
 # (bytes, FLOPs, cost bytes, replayed op positions as a bit mask)
 _Pt = tuple[int, float, float, int]
@@ -35,7 +31,7 @@ class _Block:
 
     def __init__(self, ctx: BlockContext, registry: OpRegistry | None) -> None:
         assert ctx.module.forward is not None
-        fwd = _Forward(ctx.module.forward)
+        fwd = _Forward(ctx.module.forward, registry)
         self.ctx, self.fwd = ctx, fwd
         roots = sorted({r for r in fwd.root.values() if r not in fwd.params},
                        key=lambda r: (r not in fwd.inputs, fwd.producer.get(r, -1), r))
@@ -52,14 +48,16 @@ class _Block:
         #: per position, (outputs rebuilt, roots read) of each replay variant of the op
         self.variants: list[list[tuple[int, int]]] = []
         for k, op in enumerate(fwd.g.ops):
-            if op.type in ALIAS_OPS:
+            if fwd.alias[k]:
                 continue
             self.ops.append(k)
             outs = self.mask(o for o in op.outputs if o)
             self.outs.append(outs)
             self.ins.append(self.mask(fwd.root[i] for i in op.inputs if i))
             self.can.append(registry is None or replayable(op, registry))
-            self.matmul.append(op.type in MATMUL_OPS)
+            # flop-heavy ops (matmuls, attention) are replayed only when the budget forces it
+            self.matmul.append(registry is not None and op.type in registry
+                               and registry.get_op(op.type).flop_heavy)
             self.cost.append((ctx.costs[k].flops, ctx.costs[k].bytes))
             self.variants.append([(self.mask(o for o in v.outputs if o) & outs,
                                    self.mask(fwd.root[i] for i in v.inputs if i))

@@ -344,36 +344,29 @@ def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | 
 
 def _from_plugins(context: PlanContext, mode: str, budget: float | None,
                   options: dict[str, Any]) -> RecomputePlan | None:
-    """The first non-None ``kiln_plan_recompute`` result, in pluggy's call order; checked here so a
-    bad plan names the plugin that made it."""
-    from kiln.core._plugins import _info, plugin_manager
+    """The ``kiln_plan_recompute`` result (pluggy's first non-None, wrappers included); checked here
+    so that a bad plan names the plugin that made it."""
+    from kiln.core._plugins import plugin_session
 
-    hook = plugin_manager().hook.kiln_plan_recompute
-    kwargs = {"graph": context.model.forward, "layout": context, "mode": mode, "training": context.training,
-              "budget": budget, "options": options}
-    for impl in reversed(hook.get_hookimpls()):
-        info = _info(impl.plugin_name, impl.plugin)
-        try:
-            result = impl.function(*[kwargs[a] for a in impl.argnames])
-        except KilnError:
-            raise
-        except Exception as exc:
-            raise PluginError(f"{info.describe()} failed in kiln_plan_recompute: {type(exc).__name__}: {exc}",
-                              plugin=info.name, distribution=info.distribution) from exc
-        if result is None:
-            continue
-        if not isinstance(result, RecomputePlan):
-            raise PluginError(f"{info.describe()} returned {type(result).__name__} from kiln_plan_recompute; "
-                              "expected a kiln.core.recompute.RecomputePlan or None",
-                              plugin=info.name, distribution=info.distribution)
-        from kiln.core._recompute import check_plan
+    session = plugin_session()
+    result = session.hook.kiln_plan_recompute(
+        graph=context.model.forward, layout=context, mode=mode, training=context.training, budget=budget,
+        options=options)
+    if result is None:
+        return None
+    info = session.answered_by("kiln_plan_recompute", result)
+    who = info.describe() if info else "a kiln_plan_recompute hook wrapper"
+    name, dist = (info.name, info.distribution) if info else (None, None)
+    if not isinstance(result, RecomputePlan):
+        raise PluginError(f"{who} returned {type(result).__name__} from kiln_plan_recompute; expected a "
+                          "kiln.core.recompute.RecomputePlan or None", plugin=name, distribution=dist)
+    from kiln.core._recompute import check_plan
 
-        try:
-            check_plan(result, context)
-        except KilnError as exc:
-            raise PluginError(f"{info.describe()} returned an invalid recompute plan: {exc.message}",
-                              plugin=info.name, distribution=info.distribution, code=exc.code) from None
-        if result.planner == "kiln.core":
-            result = attrs.evolve(result, planner=info.name)
-        return result
-    return None
+    try:
+        check_plan(result, context)
+    except KilnError as exc:
+        raise PluginError(f"{who} returned an invalid recompute plan: {exc.message}",
+                          plugin=name, distribution=dist, code=exc.code) from None
+    if result.planner == "kiln.core" and name is not None:
+        result = attrs.evolve(result, planner=name)
+    return result

@@ -242,10 +242,11 @@ class WeightMap:
     dtypes: Mapping[str, str]  # safetensors dtype names, as loaded
     absent: frozenset[str]  # parameters whose optional weights the checkpoint lacks
 
-    def load(self, ckpt: Checkpoint, arrays: Mapping[str, np.ndarray]) -> None:
-        """Copy every piece from the checkpoint into its view of ``arrays`` (parameter -> array)."""
+    def load(self, ckpt: Checkpoint, arrays: Mapping[str, np.ndarray], *, only: str | None = None) -> None:
+        """Copy every piece (of parameter ``only``, if given) from the checkpoint into its view of
+        ``arrays`` (parameter -> array)."""
         for p in self.pieces:
-            if not p.absent:
+            if not p.absent and (only is None or p.param == only):
                 ckpt.read_into(p.key, view(arrays[p.param], p.path), p.source)
 
     def keys(self) -> list[str]:

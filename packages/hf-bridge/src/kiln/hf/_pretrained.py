@@ -10,14 +10,14 @@ tensors are then copied from the memory maps straight into the model's arena, on
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from kiln.core import KilnError, Model
+from kiln.core import KilnError, Model, init_value
 from kiln.core.ir import Bundle, Module, Op, ParamSpec, TensorDecl, evaluate_shape, from_json, parse_dim, thaw
 from kiln.hf._data import IGNORE_INDEX
 from kiln.hf._errors import HFConfigError
@@ -281,11 +281,9 @@ class PretrainedModel(Model):
     def __init__(self, module_ir: Bundle, *, hf_config: Mapping[str, Any], architecture: str,
                  weights: WeightMap, **options: Any) -> None:
         self.hf_config, self.architecture, self.weights = dict(hf_config), architecture, weights
-        super().__init__(module_ir, **options)
-
-    def _init(self, seed: int) -> None:
-        """Nothing to draw: the checkpoint fills the (zeroed) weights; see from_pretrained."""
-        self.seed = seed
+        self.seed = int(options.get("seed", 0))
+        # nothing to draw: the checkpoint fills the (zeroed) weights; see from_pretrained
+        super().__init__(module_ir, init=None, **options)
 
     def loss_and_grads(self, input_ids: Any, labels: Any, *,
                        names: str = "hf") -> tuple[float, dict[str, np.ndarray]]:
@@ -305,7 +303,7 @@ class PretrainedModel(Model):
         """The weights as checkpoint tensors: ``{name: array}``, in ``dtype`` or, by default, each in
         the dtype it was loaded with."""
         dtype = None if dtype is None else _float_dtype(dtype)
-        return {k: np.asarray(v) for k, v in self.weights.export(self._state, dtype).items()}
+        return {k: np.asarray(v) for k, v in self.weights.export(_Parameters(self), dtype).items()}
 
     def save_pretrained(self, path: str | Path, *, max_shard_size: int | str = "5GB",
                         dtype: Any = None) -> list[Path]:
@@ -322,7 +320,7 @@ class PretrainedModel(Model):
             dtype = _float_dtype(dtype)
             key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"  # v4 : v5
             config[key] = dtype.name
-        tensors = self.weights.export(self._state, dtype)
+        tensors = self.weights.export(_Parameters(self), dtype)
         written = save_checkpoint(folder, tensors, max_shard_size=max_shard_size)
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         return [*written, folder / CONFIG_NAME]
@@ -359,23 +357,44 @@ def from_pretrained(path: str | Path, *, backend: str = "numpy", dtype: str = "f
         weights = resolve(ckpt, entries)
         model = PretrainedModel(bundle, hf_config=config, architecture=arch, weights=weights, backend=backend,
                                 dtype=dtype, mode=mode, recompute=recompute, **model_kwargs)
-        weights.load(ckpt, model._state)
+        specs = model.parameter_specs()
+        for param in dict.fromkeys(p.param for p in weights.pieces if not p.absent):  # one at a time
+            view = model.host_view(param)  # host memory: read straight into the arena
+            value = view if view is not None else np.zeros(specs[param][1], model.dtype)
+            weights.load(ckpt, {param: value}, only=param)
+            if view is None:
+                model.set_parameters({param: value})
     _initialise_absent(model, [e for e in entries if e.param in weights.absent])
-    if ROPE_PARAM in model._state:
+    if ROPE_PARAM in model.parameter_specs():
         m = bundle.module(bundle.entry)
-        rows = model._state[ROPE_PARAM].shape[0]
-        model._state[ROPE_PARAM][...] = rope_table(config, rows, head_dim=m.config.get("head_size"))
+        rows = model.parameter_specs()[ROPE_PARAM][1][0]
+        model.set_parameters({ROPE_PARAM: rope_table(config, rows, head_dim=m.config.get("head_size"))})
     return model
+
+
+class _Parameters(Mapping[str, np.ndarray]):
+    """A model's parameters by name, each copied to the host when asked for (export one at a time)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model, self.names = model, list(model.parameter_specs())
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.model.parameter_specs():
+            raise KeyError(name)
+        return self.model.parameter(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _initialise_absent(model: PretrainedModel, entries: list[Entry]) -> None:
     """Optional weights the checkpoint lacks start from their declared init, drawn from the model's seed."""
     rng = np.random.default_rng(model.seed)
+    std = float(model.hf_config.get("initializer_range", 0.02))
     for e in entries:
-        kind = e.init.get("kind", "normal")
-        view = model._state[e.param]
-        if kind == "normal":
-            std = float(e.init.get("std", model.hf_config.get("initializer_range", 0.02)))
-            view[...] = rng.standard_normal(e.shape) * std
-        else:
-            view[...] = 1.0 if kind == "ones" else 0.0
+        spec = model.parameter_specs()[e.param][0]
+        value = init_value(attrs.evolve(spec, init=e.init), e.shape, rng, std, e.param)
+        model.set_parameters({e.param: value})

@@ -103,10 +103,10 @@ def _models() -> list[str]:
     return [n for n in list_registered_models() if get_model_spec(n).hf_config is not None]
 
 
-def _backends() -> list[str]:
+def _registered(kind: str) -> list[str]:
     from kiln.core import get_registry
 
-    return get_registry("backends").names()
+    return get_registry(kind).names()
 
 
 def _recompute_modes() -> Sequence[str]:
@@ -134,7 +134,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "train": {
         "output_dir": Key("path"),
         "mode": Key("str", "full", ("full", "lora")),
-        "backend": Key("str", "numpy", _backends),
+        "backend": Key("str", "numpy", lambda: _registered("backends")),
         "steps": Key("int", 100, check=_at_least(1)),
         "batch_size": Key("int", 8, check=_at_least(1)),
         "seq_len": Key("int", 64, check=_at_least(1)),
@@ -147,6 +147,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "log_every": Key("int", 10, check=_at_least(1)),
     },
     "optimizer": {
+        "name": Key("str", "adamw", lambda: _registered("optimizers")),
         "lr": Key("float", 1e-3, check=_above(0)),
         "beta1": Key("float", 0.9, check=_within(0.0, 1.0)),
         "beta2": Key("float", 0.999, check=_within(0.0, 1.0)),
@@ -156,6 +157,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "warmup_steps": Key("int", 0, check=_at_least(0)),
         "schedule": Key("str", "cosine", ("cosine", "constant")),
         "min_lr_ratio": Key("float", 0.1, check=_within(0.0, 1.0, hi_open=False)),
+        "momentum": Key("float", 0.0, check=_within(0.0, 1.0)),
+        "nesterov": Key("bool", False),
+        "decay_norms_and_biases": Key("bool", False),
     },
     "lora": {
         "r": Key("int", 8, check=_at_least(1)),
@@ -709,13 +713,10 @@ class _Run:
                  f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out")
 
     def build_model(self, vocab_size: int) -> Any:
-        from kiln.core import AdamW, Model
+        from kiln.core import Model
 
-        m, t, o = self.c["model"], self.c["train"], self.c["optimizer"]
-        optimizer = AdamW(lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], eps=o["eps"],
-                          weight_decay=o["weight_decay"], max_grad_norm=o["max_grad_norm"] or None,
-                          warmup_steps=o["warmup_steps"], min_lr_ratio=o["min_lr_ratio"],
-                          total_steps=self.steps if o["schedule"] == "cosine" else None)
+        m, t = self.c["model"], self.c["train"]
+        optimizer = self.build_optimizer()
         options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
                    "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
         if m["checkpoint"] is not None:
@@ -748,13 +749,30 @@ class _Run:
                  f"{t['backend']} backend")
         return model
 
+    def build_optimizer(self) -> Any:
+        """The ``[optimizer]`` table as an optimizer: ``name`` picks a registered one (core's ``adamw``
+        and ``sgd``, or a plugin's), which takes the settings it declares."""
+        import attrs
+
+        from kiln.core import HF_TRAINER_GROUPS, get_registry
+
+        o = self.c["optimizer"]
+        cls = get_registry("optimizers")[o["name"]]
+        settings = {**o, "max_grad_norm": o["max_grad_norm"] or None,
+                    "total_steps": self.steps if o["schedule"] == "cosine" else None,
+                    "groups": () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
+        fields = {a.name for a in attrs.fields(cls)}
+        return cls(**{k: v for k, v in settings.items() if k in fields})
+
     # -- checkpoints
 
     def save(self, step: int) -> Path:
         state = self.model.state_dict()
         opt = state["optimizer"]
-        weights = {k: v for k, v in state["parameters"].items() if self.mode == "full" or k in opt["exp_avg"]}
-        moments = {f"{which}.{k}": v for which in ("exp_avg", "exp_avg_sq") for k, v in opt[which].items()}
+        trainable = self.model.trainable
+        weights = {k: v for k, v in state["parameters"].items() if self.mode == "full" or trainable[k]}
+        moments = {f"{which}.{k}": v for which, per in opt.items() if isinstance(per, dict)
+                   for k, v in per.items()}
         rng: dict[str, Any] = {"shuffle_seed": self.c["data"]["seed"], "epoch": self.ds.epoch}
         if hasattr(self.model, "rng_state"):  # random ops whose state lives in the model
             rng["model"] = self.model.rng_state()
@@ -777,10 +795,10 @@ class _Run:
                 raise TrainConfigError(f"is {new.get(changed[0])!r} here, {old.get(changed[0])!r} in the run "
                                        f"being resumed; only {', '.join(_RESUMABLE)} may change on --resume",
                                        key=changed[0], file=self.c.file)
-            opt: dict[str, Any] = {"step": state["optimizer_step"], "exp_avg": {}, "exp_avg_sq": {}}
+            opt: dict[str, Any] = {"step": state["optimizer_step"]}
             for key, value in moments.items():
                 which, _, param = key.partition(".")
-                opt[which][param] = value
+                opt.setdefault(which, {})[param] = value
             self.model.load_state_dict({"parameters": weights, "optimizer": opt})
             if "model" in state["rng"] and hasattr(self.model, "set_rng_state"):
                 self.model.set_rng_state(state["rng"]["model"])

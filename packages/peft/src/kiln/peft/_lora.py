@@ -226,7 +226,7 @@ def apply(bundle: Bundle, config: LoraConfig, *, trainable: bool = True) -> tupl
     """``bundle`` with ``config``'s LoRA branches and its base parameters frozen, and the sites adapted."""
     for m in bundle.modules:
         for p in m.params:
-            if p.name.rsplit(".", 1)[-1].startswith("lora_"):
+            if p.role == "adapter":
                 raise AdapterError(f"module {m.name!r} has LoRA adapters already", key=p.name,
                                    hint="apply the pass to the model without them, or merge them first")
     sites = resolve(bundle, config)
@@ -267,7 +267,7 @@ def _adapt(module: Module, sites: Sequence[Site], config: LoraConfig, trainable:
         w = specs[s.weight]
         shapes = ((Const(s.r), w.shape[1]), (_rows(w, s.target)[1], Const(s.r)))
         for name, shape, ab in zip(s.params, shapes, "AB", strict=True):
-            new_specs.append(ParamSpec(name, shape, w.dtype, frozen=not trainable,
+            new_specs.append(ParamSpec(name, shape, w.dtype, frozen=not trainable, role="adapter",
                                        init=init_spec(config, s, ab),
                                        description=f"LoRA {ab} of {s.weight}[{s.target}] ({s.paths[0]})"))
             decls.append(TensorDecl(name, shape, w.dtype))

@@ -64,11 +64,12 @@ class PeftModel(Model):
         self._names = {kiln: peft for s in self.sites for kiln, peft, _ in s.tensors()}
         options = {"dtype": model.dtype, "optimizer": model.optimizer, "backend": model.backend_name,
                    "recompute": model.recompute, "recompute_budget": model.recompute_budget, **options}
-        super().__init__(bundle, seed=seed, mode="lora", **options)
+        super().__init__(bundle, seed=seed, mode="lora", init=None, **options)
         self.set_parameters(model.parameters())
+        self._draw_adapters(seed)
 
-    def _init(self, seed: int) -> None:
-        """Draw the adapters as PEFT initialises them; the base weights are copied in afterwards."""
+    def _draw_adapters(self, seed: int) -> None:
+        """Draw the adapters as PEFT initialises them."""
         rng = np.random.default_rng(seed)
         config = self.peft_config["default"]
         self.set_parameters({key: _draw(rng, init_spec(config, s, ab), s.shape(ab))
@@ -108,7 +109,7 @@ class PeftModel(Model):
 
     def adapter_state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the adapter weights, by PEFT file name."""
-        return {peft: self._state[kiln].copy() for kiln, peft in self._names.items()}
+        return {peft: self.parameter(kiln) for kiln, peft in self._names.items()}
 
     def load_adapter_state_dict(self, tensors: Mapping[str, Any], *, file: str | Path | None = None) -> None:
         """Set every adapter weight from ``tensors`` (by PEFT file name). All keys and shapes are checked
@@ -165,15 +166,16 @@ class PeftModel(Model):
         for s in self.sites:
             for i in range(len(s.paths)):
                 key = s.weight_key(i)
-                w = merged.setdefault(key, self._state[key].copy())
-                a, b = self._state[s.key(i, "A")], self._state[s.key(i, "B")]
+                w = merged.setdefault(key, self.parameter(key))
+                a, b = self.parameter(s.key(i, "A")), self.parameter(s.key(i, "B"))
                 w[s.start:s.start + s.size] += (b @ a) * s.scaling
         self._base.set_parameters(merged)
         return self._base
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable parameters, all parameters), as PEFT counts them."""
-        sizes = [(int(np.prod(shape)), t) for _, _, shape, t in self._params]
+        trainable = self.trainable
+        sizes = [(int(np.prod(shape)), trainable[k]) for k, (_, shape) in self.parameter_specs().items()]
         return sum(n for n, t in sizes if t), sum(n for n, _ in sizes)
 
     def print_trainable_parameters(self) -> None:

@@ -32,9 +32,9 @@ import numpy as np
 from kiln.core._dims import Const, DimExpr, parse_dim, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import Outs, allocating, check_same, or_scratch, randn, view
+from kiln.core._oplib._common import Outs, allocating, check_same, core_op, or_scratch, randn, view
 from kiln.core._oplib._norms import rms_rstd, rmsnorm_grad_rows
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 from kiln.core._threads import chunks, parallel, row_blocks, scratch
 
 _ROPE_ATTRS = (
@@ -738,15 +738,15 @@ def _attention_cost(q_index: int, factor: float) -> Any:
     return cost
 
 
-OPS = [
-    OpDef(
+CORE_OPS = [
+    core_op(
         "rope", ("x", "freqs?", "position_ids"), ("out",), _rope, _rope_infer, backward=_rope_backward,
         attrs=(AttrSpec("head_dim", "dim"), *_ROPE_ATTRS, AttrSpec("inverse", "bool", False)),
         samples=_rope_samples, cost=_rope_cost, nondiff_inputs={1, 2}, out_kernel=_rope_out, inplace={0},
         doc="Rotary position embedding (HF rotate_half) of every head of x: [B, T, H * head_dim]; "
             "inverse=True rotates back.",
     ),
-    OpDef(
+    core_op(
         "qkv_qk_norm_rope", ("qkv", "q_norm_weight?", "k_norm_weight?", "freqs?", "position_ids"),
         ("qkv_out", "q_rstd", "k_rstd"), _qkv_norm_rope, _qkv_infer, backward=_qkv_backward,
         attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), samples=_qkv_samples, cost=_qkv_cost,
@@ -754,7 +754,7 @@ OPS = [
         doc="Per-head RMSNorm of q and k (each only when its weight is given; its rstd is ones otherwise), "
             "then rope on q and k of packed qkv; v passes through.",
     ),
-    OpDef(
+    core_op(
         "qkv_qk_norm_rope_backward",
         ("d_qkv_out?", "qkv", "q_norm_weight?", "k_norm_weight?", "freqs?", "position_ids", "q_rstd",
          "k_rstd", "d_q_rstd?", "d_k_rstd?"),
@@ -763,30 +763,34 @@ OPS = [
         out_kernel=_qkv_bwd_out, samples=_qkv_bwd_samples,
         doc="Gradients of qkv_qk_norm_rope (a weight's gradient is zeros when that weight was omitted).",
     ),
-    OpDef(
+    core_op(
         "flash_attention", ("qkv",), ("out", "lse"), _flash, _flash_infer, backward=_flash_backward,
         attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples, cost=_flash_cost(0, 1.0),
         out_kernel=_flash_out,
+        flop_heavy=True,
         doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window): "
             "out [B, T, Hq * D] and lse [B, Hq, T].",
     ),
-    OpDef(
+    core_op(
         "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?"), ("d_qkv",), _flash_bwd_kernel,
         _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5), out_kernel=_flash_bwd_out,
         samples=_backward_samples(_flash, _flash_samples, 1),
         doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
     ),
-    OpDef(
+    core_op(
         "attention", ("q", "k", "v"), ("out", "lse"), _attention, _attention_infer,
         backward=_attention_backward, attrs=_ATTN_ATTRS, samples=_attention_samples,
         cost=_attention_cost(0, 1.0), out_kernel=_attention_out,
+        flop_heavy=True,
         doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
             "lse [B, Hq, Tq].",
     ),
-    OpDef(
+    core_op(
         "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?"), ("d_q", "d_k", "d_v"),
         _attention_bwd_kernel, _attention_bwd_infer, attrs=_ATTN_ATTRS, cost=_attention_cost(1, 2.5),
         out_kernel=_attention_bwd_out, samples=_backward_samples(_attention, _attention_bwd_samples, 3),
         doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",
     ),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]

@@ -5,11 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kiln.core._dims import Shape, dims_equal
 from kiln.core._ir import TensorType
-from kiln.core._ops import InferContext
+from kiln.core._ops import InferContext, OpDef
+
+
+@attrs.frozen
+class CoreOp:
+    """A core op: its definition and the NumPy backend's ``out=`` kernel for it (if it has one)."""
+
+    opdef: OpDef
+    out_kernel: Callable[..., None] | None = None
+    #: inputs whose storage the out kernel's first output may take over (elementwise, same shape)
+    inplace: frozenset[int] = frozenset()
+
+
+def core_op(*args: Any, out_kernel: Callable[..., None] | None = None, inplace: Sequence[int] | set[int] = (),
+            **kwargs: Any) -> CoreOp:
+    """An :class:`OpDef` with the NumPy backend's fast kernel beside it (registered in the kernel table)."""
+    return CoreOp(OpDef(*args, **kwargs), out_kernel, frozenset(inplace))
 
 
 def same_as(i: int = 0, n: int = 1) -> Callable[[InferContext], list[TensorType]]:

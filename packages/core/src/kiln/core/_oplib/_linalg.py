@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import check_same, randn
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._oplib._common import check_same, core_op, randn
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 from kiln.core._threads import matmul_into
 
 TRANSPOSES = ("NN", "NT", "TN", "TT")
@@ -140,23 +140,28 @@ def _matmul_bias_backward(ctx: BackwardContext) -> list[str | None]:
     return [da, dw, db]
 
 
-OPS = [
-    OpDef(
+CORE_OPS = [
+    core_op(
         "matmul", ("a", "b", "c?"), ("out",), _matmul, lambda ctx: _mm_infer(ctx, False),
         backward=_mm_backward, attrs=_MM_ATTRS, samples=_mm_samples, cost=_mm_cost, out_kernel=_matmul_out,
+        flop_heavy=True,
         doc="out = alpha * op(a) @ op(b) (+ beta * c); transpose picks op() per operand (N or T).",
     ),
-    OpDef(
+    core_op(
         "batched_matmul", ("a", "b", "c?"), ("out",), _matmul, lambda ctx: _mm_infer(ctx, True),
         backward=lambda ctx: _mm_backward(ctx, "batched_matmul"), attrs=_MM_ATTRS, samples=_bmm_samples,
         cost=_mm_cost, out_kernel=_matmul_out,
+        flop_heavy=True,
         doc="matmul over leading batch dims (same batch dims on both operands).",
     ),
-    OpDef(
+    core_op(
         "matmul_bias", ("x", "w", "bias"), ("out",), _matmul_bias, _matmul_bias_infer,
         backward=_matmul_bias_backward, attrs=(AttrSpec("transpose", "str", "NT", TRANSPOSES),),
         samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 5, 4), randn(rng, 5)), {})],
         cost=lambda s, a: _mm_cost(s, a),
+        flop_heavy=True,
         doc="out = op(x) @ op(w) + bias (bias broadcast over rows).",
     ),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]

@@ -15,11 +15,12 @@ from kiln.core._oplib._common import (
     Outs,
     allocating,
     check_same,
+    core_op,
     float_dtype_of,
     or_scratch,
     randn,
 )
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 from kiln.core._threads import chunks, matmul_into, parallel, row_blocks, scratch
 
 
@@ -423,14 +424,14 @@ def _fused_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any], bac
 _IGNORE = AttrSpec("ignore_index", "int", -100)
 _FUSED_ATTRS = (_IGNORE, AttrSpec("chunk_size", "int", 4096), AttrSpec("softcap", "float", None))
 
-OPS = [
-    OpDef(
+CORE_OPS = [
+    core_op(
         "embedding", ("token_ids", "weight"), ("out",), _embedding, _embedding_infer,
         backward=_embedding_rule, samples=_embedding_samples, nondiff_inputs={0}, out_kernel=_embedding_out,
         cost=lambda s, a: Cost(bytes=8.0 * math.prod(s[0]) * s[1][1]),
         doc="out[..., :] = weight[token_ids[...], :].",
     ),
-    OpDef(
+    core_op(
         "embedding_backward", ("d_out", "token_ids"), ("d_weight",), _embedding_backward,
         _embedding_backward_infer, attrs=(AttrSpec("num_embeddings", "dim"),), nondiff_inputs={1},
         out_kernel=_embedding_backward_out, samples=lambda rng: [
@@ -439,25 +440,25 @@ OPS = [
         cost=lambda s, a: Cost(flops=float(math.prod(s[0])), bytes=8.0 * math.prod(s[0])),
         doc="d_weight[i] = sum of d_out rows whose token id is i (scatter-add).",
     ),
-    OpDef(
+    core_op(
         "cross_entropy", ("logits", "targets"), ("loss", "lse"), _cross_entropy, _cross_entropy_infer,
         backward=_cross_entropy_rule, attrs=(_IGNORE,), samples=_cross_entropy_samples, nondiff_inputs={1},
         cost=lambda s, a: Cost(flops=5.0 * math.prod(s[0]), bytes=4.0 * math.prod(s[0])),
         doc="Per row: loss = logsumexp(logits) - logits[target] (0 where target == ignore_index), and lse.",
     ),
-    OpDef(
+    core_op(
         "cross_entropy_backward", ("d_loss?", "logits", "targets", "lse", "d_lse?"), ("d_logits",),
         _cross_entropy_backward, lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(1))], attrs=(_IGNORE,),
         nondiff_inputs={2}, cost=lambda s, a: Cost(flops=5.0 * math.prod(s[1]), bytes=8.0 * math.prod(s[1])),
         doc="d_logits = softmax(logits) * (d_loss + d_lse) - onehot(target) * d_loss (d_loss 0 if ignored).",
     ),
-    OpDef(
+    core_op(
         "fused_lm_head_loss", ("x", "weight", "targets"), ("loss", "lse"), _fused_lm_head_loss, _fused_infer,
         backward=_fused_rule, attrs=_FUSED_ATTRS, samples=_fused_samples, nondiff_inputs={2},
         cost=_fused_cost, out_kernel=_fused_lm_head_loss_out,
         doc="cross_entropy(x @ weight^T, targets) over vocabulary chunks; logits are never materialised.",
     ),
-    OpDef(
+    core_op(
         "fused_lm_head_loss_backward", ("d_loss?", "x", "weight", "targets", "lse", "d_lse?"),
         ("d_x", "d_weight"), _fused_lm_head_loss_backward, _fused_backward_infer, attrs=_FUSED_ATTRS,
         nondiff_inputs={3}, cost=lambda s, a: _fused_cost(s, a, backward=True),
@@ -465,3 +466,5 @@ OPS = [
         doc="(d_x, d_weight) of fused_lm_head_loss, recomputing each vocabulary chunk's logits.",
     ),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]

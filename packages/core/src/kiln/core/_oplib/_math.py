@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.core._oplib._common import check_same, randn, same_as
+from kiln.core._oplib._common import check_same, core_op, randn, same_as
 from kiln.core._oplib._elementwise import _binary_infer, _ew_cost, _sum_to
-from kiln.core._ops import BackwardContext, InferContext, OpDef, Sample
+from kiln.core._ops import BackwardContext, InferContext, Sample
 
 Array = npt.NDArray[np.floating[Any]]
 Grads = list[str | None]
@@ -83,18 +83,20 @@ def _div_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 2, 4, 5), _nonzero(rng, 4, 1)))
 
 
-OPS = (
-    OpDef("exp", ("x",), ("out",), np.exp, same_as(), backward=_exp_rule, samples=_unary_samples,
+CORE_OPS = (
+    core_op("exp", ("x",), ("out",), np.exp, same_as(), backward=_exp_rule, samples=_unary_samples,
           cost=_ew_cost(4, 2), out_kernel=lambda x, *, out: np.exp(x, out=out[0]), inplace={0},
           doc="out = e^x."),
-    OpDef("sigmoid", ("x",), ("out",), _sigmoid, same_as(), backward=_sigmoid_rule, samples=_unary_samples,
+    core_op("sigmoid", ("x",), ("out",), _sigmoid, same_as(), backward=_sigmoid_rule, samples=_unary_samples,
           cost=_ew_cost(5, 2), out_kernel=_sigmoid_out, inplace={0}, doc="out = 1 / (1 + e^-x)."),
-    OpDef("sigmoid_backward", ("d_out", "out"), ("d_x",), lambda d, y: d * y * (1 - y),
+    core_op("sigmoid_backward", ("d_out", "out"), ("d_x",), lambda d, y: d * y * (1 - y),
           _sigmoid_backward_infer, cost=_ew_cost(3, 3), doc="d_x = d_out * out * (1 - out)."),
-    OpDef("reciprocal", ("x",), ("out",), np.reciprocal, same_as(), backward=_reciprocal_rule,
+    core_op("reciprocal", ("x",), ("out",), np.reciprocal, same_as(), backward=_reciprocal_rule,
           samples=_reciprocal_samples, cost=_ew_cost(1, 2),
           out_kernel=lambda x, *, out: np.reciprocal(x, out=out[0]), inplace={0}, doc="out = 1 / x."),
-    OpDef("div", ("a", "b"), ("out",), np.divide, _binary_infer, backward=_div_rule, samples=_div_samples,
+    core_op("div", ("a", "b"), ("out",), np.divide, _binary_infer, backward=_div_rule, samples=_div_samples,
           cost=_ew_cost(1, 3), out_kernel=lambda a, b, *, out: np.divide(a, b, out=out[0]), inplace={0},
           doc="out = a / b; b has a's shape or broadcasts to it (as for add)."),
 )
+
+OPS = [c.opdef for c in CORE_OPS]

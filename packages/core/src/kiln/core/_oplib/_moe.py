@@ -24,8 +24,8 @@ import numpy as np
 from kiln.core._dims import parse_dim, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import check_same, randn
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._oplib._common import check_same, core_op, randn
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 
 
 def _check_int(ctx: InferContext, i: int, what: str) -> None:
@@ -341,30 +341,30 @@ def _grouped_gemm_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, An
 _ROUTER_ATTRS = (AttrSpec("dtype", "dtype", "fp32"),)
 
 
-OPS = [
-    OpDef(
+CORE_OPS = [
+    core_op(
         "moe_softmax", ("logits",), ("probs",), _softmax, _probs_infer,
         backward=_probs_backward("moe_softmax_backward"), samples=_logits_samples,
         cost=lambda s, a: Cost(flops=5.0 * np.prod(s[0]), bytes=_nbytes(s[0], s[0])),
         doc="Router probabilities [N, E] = softmax(logits) over experts, in fp32.",
     ),
-    OpDef(
+    core_op(
         "moe_softmax_backward", ("d_probs", "probs"), ("d_logits",), _softmax_backward, _probs_grad_infer,
         attrs=_ROUTER_ATTRS, cost=lambda s, a: Cost(flops=4.0 * np.prod(s[0]), bytes=_nbytes(*s, s[0])),
         doc="d_logits = probs * (d_probs - sum(d_probs * probs)); dtype is the logits' dtype.",
     ),
-    OpDef(
+    core_op(
         "moe_sigmoid", ("logits",), ("probs",), _sigmoid, _probs_infer,
         backward=_probs_backward("moe_sigmoid_backward"), samples=_logits_samples,
         cost=lambda s, a: Cost(flops=4.0 * np.prod(s[0]), bytes=_nbytes(s[0], s[0])),
         doc="Router scores [N, E] = sigmoid(logits) per expert (DeepSeek-style routing), in fp32.",
     ),
-    OpDef(
+    core_op(
         "moe_sigmoid_backward", ("d_probs", "probs"), ("d_logits",), _sigmoid_backward, _probs_grad_infer,
         attrs=_ROUTER_ATTRS, cost=lambda s, a: Cost(flops=3.0 * np.prod(s[0]), bytes=_nbytes(*s, s[0])),
         doc="d_logits = d_probs * probs * (1 - probs); dtype is the logits' dtype.",
     ),
-    OpDef(
+    core_op(
         "moe_topk", ("probs",), ("weights", "indices"), _topk, _topk_infer, backward=_topk_backward,
         attrs=(AttrSpec("k", "int"), AttrSpec("normalize", "bool", False)), samples=_topk_samples,
         cost=lambda s, a: Cost(flops=float(np.prod(s[0])) * max(1.0, np.log2(s[0][-1])),
@@ -372,14 +372,14 @@ OPS = [
         doc="The k largest probs per row, largest first (weights [N, k], expert indices [N, k] int32); "
             "ties go to the lower expert index; normalize rescales each row's weights to sum to 1.",
     ),
-    OpDef(
+    core_op(
         "moe_topk_backward", ("d_weights", "probs", "indices"), ("d_probs",), _topk_backward_kernel,
         lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(0))],
         attrs=(AttrSpec("normalize", "bool", False),),
         cost=lambda s, a: Cost(flops=4.0 * np.prod(s[0]), bytes=_nbytes(s[0], s[0], s[1])),
         doc="Scatters d_weights (through the renormalisation if normalize) into a zero [N, E] d_probs.",
     ),
-    OpDef(
+    core_op(
         "moe_permute", ("x", "indices"), ("x_perm", "scatter_idx", "expert_offsets"), _permute,
         _permute_infer, backward=_permute_backward, attrs=(AttrSpec("num_experts", "dim"),),
         samples=_permute_samples, nondiff_inputs={1},
@@ -388,38 +388,40 @@ OPS = [
             "token*k + slot order); scatter_idx[r] = token*k + slot of row r, expert_offsets [E+1] bound "
             "each expert's rows.",
     ),
-    OpDef(
+    core_op(
         "moe_permute_backward", ("d_x_perm", "scatter_idx"), ("d_x",), _permute_backward_kernel,
         _permute_backward_infer, attrs=(AttrSpec("num_tokens", "dim"),),
         cost=lambda s, a: Cost(flops=float(np.prod(s[0])), bytes=_nbytes(s[0], s[0])),
         doc="d_x[t] = sum of the d_x_perm rows that came from token t.",
     ),
-    OpDef(
+    core_op(
         "moe_grouped_gemm_gate_up", ("x_perm", "gate_up_weight", "expert_offsets"), ("h",),
         _grouped_gemm("moe_grouped_gemm_gate_up"), _gate_up_infer, backward=_grouped_gemm_backward,
         samples=_grouped_gemm_samples(2), nondiff_inputs={2}, cost=_grouped_gemm_cost,
+        flop_heavy=True,
         doc="h [R, 2M] = x_perm rows of expert e @ gate_up_weight[e]^T, weight [E, 2M, C] rows [gate | up].",
     ),
-    OpDef(
+    core_op(
         "moe_grouped_gemm_down", ("act", "down_weight", "expert_offsets"), ("y",),
         _grouped_gemm("moe_grouped_gemm_down"),
         lambda ctx: _grouped_gemm_infer(ctx, "act"), backward=_grouped_gemm_backward,
         samples=_grouped_gemm_samples(1), nondiff_inputs={2}, cost=_grouped_gemm_cost,
+        flop_heavy=True,
         doc="y [R, C] = act rows of expert e @ down_weight[e]^T, weight [E, C, M].",
     ),
-    OpDef(
+    core_op(
         "moe_grouped_gemm_dx", ("d_out", "weight", "expert_offsets"), ("d_x",), _grouped_gemm_dx,
         _grouped_gemm_dx_infer,
         cost=lambda s, a: _grouped_gemm_cost([(s[0][0], s[1][2]), s[1]], a),
         doc="d_x [R, I] = d_out rows of expert e @ weight[e] (weight [E, O, I]).",
     ),
-    OpDef(
+    core_op(
         "moe_grouped_gemm_dw", ("d_out", "x", "expert_offsets"), ("d_weight",), _grouped_gemm_dw,
         _grouped_gemm_dw_infer,
         cost=lambda s, a: _grouped_gemm_cost([s[1], (s[2][0] - 1, s[0][1], s[1][1])], a),
         doc="d_weight [E, O, I], d_weight[e] = (d_out rows of e)^T @ (x rows of e); zero for empty experts.",
     ),
-    OpDef(
+    core_op(
         "moe_unpermute", ("y_perm", "weights", "scatter_idx"), ("out",), _unpermute, _unpermute_infer,
         backward=_unpermute_backward, attrs=(AttrSpec("top_k", "int", None),), samples=_unpermute_samples,
         nondiff_inputs={2},
@@ -427,13 +429,13 @@ OPS = [
         doc="out[t] = sum over slots j of weights[t, j] * y_perm[row of (t, j)] (top_k, if given, must "
             "equal weights' last dim).",
     ),
-    OpDef(
+    core_op(
         "moe_unpermute_dy", ("d_out", "weights", "scatter_idx"), ("d_y_perm",), _unpermute_dy,
         lambda ctx: [TensorType((ctx.shape(2)[0], ctx.shape(0)[1]), ctx.dtype(0))],
         cost=lambda s, a: Cost(flops=float(s[2][0] * s[0][1]), bytes=_nbytes((s[2][0], s[0][1]), s[0])),
         doc="d_y_perm[r] = weights of (t, j) * d_out[t] for the (token, slot) pair (t, j) of row r.",
     ),
-    OpDef(
+    core_op(
         "moe_unpermute_dw", ("d_out", "y_perm", "scatter_idx"), ("d_weights",), _unpermute_dw,
         lambda ctx: [TensorType((ctx.shape(0)[0], parse_dim(ctx.attrs["top_k"])), ctx.dtype(0))],
         attrs=(AttrSpec("top_k", "dim"),),
@@ -441,3 +443,5 @@ OPS = [
         doc="d_weights[t, j] = <d_out[t], y_perm[row of (t, j)]>.",
     ),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import Outs, check_same, or_scratch, randn, view
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._oplib._common import Outs, check_same, core_op, or_scratch, randn, view
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 from kiln.core._threads import parallel, parallel_sum, row_blocks
 
 _EPS_RMS = (AttrSpec("eps", "float", 1e-6),)
@@ -356,25 +356,27 @@ def _ln_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 4, 6), randn(rng, 6), None), {"eps": 0.2})
 
 
-OPS = [
-    OpDef(
+CORE_OPS = [
+    core_op(
         "rmsnorm", ("x", "weight"), ("y", "rstd"), _rmsnorm, _rmsnorm_infer, backward=_rmsnorm_backward,
         attrs=_EPS_RMS, samples=_rms_samples, cost=_rms_cost, out_kernel=_rmsnorm_out,
         doc="rstd = 1/sqrt(mean(x^2, last dim) + eps); y = x * rstd * weight.",
     ),
-    OpDef(
+    core_op(
         "rmsnorm_backward", ("d_y?", "x", "rstd", "weight", "d_rstd?"), ("d_x", "d_weight"),
         _rmsnorm_bwd_kernel, _rmsnorm_bwd_infer, cost=lambda s, a: _rms_cost(s[1:], a),
         out_kernel=_rmsnorm_bwd_out, samples=_rms_bwd_samples,
         doc="Gradients of rmsnorm from d_y and (optionally) d_rstd; d_weight sums over all leading dims.",
     ),
-    OpDef(
+    core_op(
         "fused_residual_rmsnorm", ("residual", "x", "weight"), ("residual_out", "y", "rstd"), _fused,
         _fused_infer, backward=_fused_backward, attrs=_EPS_RMS, samples=_fused_samples, cost=_rms_cost,
         out_kernel=_fused_out, inplace={0, 1},
+        variants=(("rmsnorm_apply_saved", {"x": "residual_out", "rstd": "rstd", "weight": "weight"},
+                   {"y": "y"}),),
         doc="residual_out = residual + x; (y, rstd) = rmsnorm(residual_out, weight).",
     ),
-    OpDef(
+    core_op(
         "fused_residual_rmsnorm_backward",
         ("d_y?", "d_residual_out?", "residual_out", "rstd", "weight", "d_rstd?"),
         ("d_residual", "d_x", "d_weight"), _fused_bwd_kernel, _fused_bwd_infer,
@@ -382,28 +384,30 @@ OPS = [
         doc="Gradients of fused_residual_rmsnorm; d_residual and d_x are equal (both = d_residual_out + "
             "the norm's d_input).",
     ),
-    OpDef(
+    core_op(
         "rmsnorm_apply_saved", ("x", "rstd", "weight"), ("y",), _rms_apply_saved, _rms_apply_saved_infer,
         cost=_rms_cost, out_kernel=_rms_apply_saved_out, inplace={0},
         samples=lambda rng: [Sample((randn(rng, 2, 3, 5), rng.random((2, 3)) + 0.5, randn(rng, 5)))],
         doc="y = x * rstd * weight with a saved rstd (recompute; bitwise equal to rmsnorm).",
     ),
-    OpDef(
+    core_op(
         "fused_residual_rmsnorm_apply_saved", ("residual", "x", "rstd", "weight"), ("residual_out", "y"),
         _fused_apply_saved, _fused_apply_saved_infer, cost=_rms_cost, out_kernel=_fused_apply_saved_out,
         inplace={0, 1}, samples=lambda rng: [Sample((randn(rng, 2, 3, 5), randn(rng, 2, 3, 5),
                                                      rng.random((2, 3)) + 0.5, randn(rng, 5)))],
         doc="fused_residual_rmsnorm with a saved rstd (recompute; bitwise equal outputs).",
     ),
-    OpDef(
+    core_op(
         "layernorm", ("x", "weight", "bias?"), ("y", "mean", "rstd"), _layernorm, _layernorm_infer,
         backward=_layernorm_backward, attrs=_EPS_LN, samples=_ln_samples, cost=_rms_cost,
         doc="y = (x - mean) * rstd * weight + bias over the last dim, rstd = 1/sqrt(biased var + eps).",
     ),
-    OpDef(
+    core_op(
         "layernorm_backward", ("d_y?", "x", "mean", "rstd", "weight", "d_mean?", "d_rstd?"),
         ("d_x", "d_weight", "d_bias"), _layernorm_bwd_kernel, _layernorm_bwd_infer,
         cost=lambda s, a: _rms_cost(s[1:], a),
         doc="Gradients of layernorm from d_y and optional d_mean, d_rstd (d_bias = sum of d_y).",
     ),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]

@@ -16,8 +16,8 @@ import numpy as np
 from kiln.core._dims import Const, DimExpr, simplify
 from kiln.core._errors import OpError
 from kiln.core._ir import TensorType
-from kiln.core._oplib._common import check_same, randn, same_as
-from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, OpDef, Sample
+from kiln.core._oplib._common import CoreOp, check_same, core_op, randn, same_as
+from kiln.core._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 
 
 def _prod(dims: Sequence[DimExpr]) -> DimExpr:
@@ -82,10 +82,10 @@ def _view_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 2, 3, 4),), {"shape": (4, -1, 2)})
 
 
-def _view_def(name: str) -> OpDef:
-    return OpDef(
+def _view_def(name: str) -> CoreOp:
+    return core_op(
         name, ("x",), ("out",), _view, _view_infer, backward=_view_backward(name),
-        attrs=(AttrSpec("shape", "dims"),), samples=_view_samples, cost=lambda s, a: Cost(),
+        attrs=(AttrSpec("shape", "dims"),), samples=_view_samples, cost=lambda s, a: Cost(), alias=True,
         doc="The same elements in row-major order under a new shape; one -1 dim is inferred.",
     )
 
@@ -206,17 +206,17 @@ def _identity_backward(ctx: BackwardContext) -> list[str | None]:
     return [ctx.d_out]
 
 
-def _copy_def(name: str, doc: str) -> OpDef:
-    return OpDef(name, ("x",), ("out",), lambda x: x.copy(), same_as(), backward=_identity_backward,
-                 out_kernel=lambda x, *, out: np.copyto(out[0], x),
-                 samples=lambda rng: [Sample((randn(rng, 3, 4),), {})],
-                 cost=lambda s, a: Cost(bytes=2 * _bytes(s)), doc=doc)
+def _copy_def(name: str, doc: str, alias: bool = False) -> CoreOp:
+    return core_op(name, ("x",), ("out",), lambda x: x.copy(), same_as(), backward=_identity_backward,
+                   out_kernel=lambda x, *, out: np.copyto(out[0], x),
+                   samples=lambda rng: [Sample((randn(rng, 3, 4),), {})],
+                   cost=lambda s, a: Cost(bytes=2 * _bytes(s)), alias=alias, doc=doc)
 
 
-OPS = [
+CORE_OPS = [
     _view_def("view"),
     _view_def("reshape"),
-    OpDef(
+    core_op(
         "transpose", ("x",), ("out",), _transpose, _transpose_infer,
         backward=lambda ctx: [ctx.emit("transpose", ctx.d_out, **ctx.attrs)],
         attrs=(AttrSpec("dim0", "int"), AttrSpec("dim1", "int")),
@@ -225,7 +225,7 @@ OPS = [
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
         doc="x with axes dim0 and dim1 swapped.",
     ),
-    OpDef(
+    core_op(
         "permute", ("x",), ("out",), _permute, _permute_infer, backward=_permute_backward,
         attrs=(AttrSpec("dims", "ints"),),
         samples=lambda rng: [Sample((randn(rng, 2, 3, 4),), {"dims": (2, 0, 1)}),
@@ -233,18 +233,20 @@ OPS = [
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
         doc="x with its axes reordered: output axis k is input axis dims[k].",
     ),
-    OpDef(
+    core_op(
         "split", ("x",), ("*parts",), _split, _split_infer, backward=_split_backward,
         attrs=(AttrSpec("sizes", "dims"), AttrSpec("dim", "int", -1)), samples=_split_samples,
         cost=lambda s, a: Cost(),
         doc="Consecutive slices of x along dim, one output per entry of sizes (which sum to that dim).",
     ),
-    OpDef(
+    core_op(
         "concat", ("*xs",), ("out",), _concat, _concat_infer, backward=_concat_backward,
         attrs=(AttrSpec("dim", "int", -1),), samples=_concat_samples,
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
         doc="The inputs joined along dim (equal shapes elsewhere).",
     ),
     _copy_def("copy", "A copy of x."),
-    _copy_def("contiguous", "x laid out contiguously (a copy in NumPy; free where x already is)."),
+    _copy_def("contiguous", "x laid out contiguously: the same bytes, planned as a view of x.", alias=True),
 ]
+
+OPS = [c.opdef for c in CORE_OPS]
