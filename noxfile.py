@@ -16,7 +16,7 @@ PACKAGES = {folder: data["project"] for folder, data in PYPROJECTS.items()}
 BUILD_REQUIRES = sorted({r for data in PYPROJECTS.values() for r in data["build-system"]["requires"]})
 FOLDER_OF = {project["name"]: folder for folder, project in PACKAGES.items()}
 FIXTURE_PLUGIN = "tests/plugins/kiln_fixture_plugin"
-TEST_TOOLS = ("pytest", "hypothesis")
+TEST_TOOLS = ("pytest", "hypothesis", "import-linter")
 
 
 def _with_kiln_dependencies(folder: str) -> list[str]:
@@ -84,10 +84,11 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff over all code; mypy --strict over kiln.core (settings in pyproject.toml)."""
-    session.install("ruff", "mypy", "-e", "packages/core")
+    """ruff over all code; mypy --strict over kiln.core; import-linter's layer contract (pyproject.toml)."""
+    session.install("ruff", "mypy", "import-linter", "-e", "packages/core")
     session.run("ruff", "check", *session.posargs)
     session.run("mypy", "--strict", "-p", "kiln.core")
+    session.run("lint-imports")
 
 
 @nox.session(reuse_venv=True)

@@ -33,10 +33,10 @@ def _markdown(doc: str) -> str:
 
 def render() -> str:
     try:
-        from kiln.core import _hookspecs
+        from kiln.core.plugins import _hookspecs
     except ImportError:  # a source checkout without kiln-core installed
         sys.path.insert(0, str(ROOT / "packages" / "core" / "src"))
-        from kiln.core import _hookspecs
+        from kiln.core.plugins import _hookspecs
 
     specs = [
         fn for name, fn in vars(_hookspecs).items() if name.startswith("kiln_") and hasattr(fn, "kiln_spec")

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kiln.core import KilnWarning
-from kiln.core._cli import main
-from kiln.core._plugins import failed_plugins, get_registry, list_plugins, reset_plugins
-from kiln.core._registry import PluginInfo
+from kiln.core.cli._cli import main
+from kiln.core.plugins._registry import PluginInfo
+from kiln.core.plugins._session import failed_plugins, get_registry, list_plugins, reset_plugins
 
 AUTOLOAD = "KILN_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS = Path(__file__).parent / "plugins"

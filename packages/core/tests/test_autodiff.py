@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kiln.core import KilnError, op_registry
-from kiln.core._interp import run_graph
 from kiln.core.autodiff import DeriveBackwardOptions, check_backward, derive_backward, verify_backward
+from kiln.core.autodiff._interp import run_graph
 from kiln.core.ir import Graph, Op, TensorDecl
 
 REG = op_registry()

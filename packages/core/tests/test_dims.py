@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.core._dims import (
+from kiln.core._errors import DimError
+from kiln.core.ir._dims import (
     BinOp,
     Const,
     DimExpr,
@@ -18,7 +19,6 @@ from kiln.core._dims import (
     shape_to_json,
     simplify,
 )
-from kiln.core._errors import DimError
 
 NAMES = ["a", "b", "c", "D"]
 leaves = st.builds(Const, st.integers(-12, 12)) | st.builds(Sym, st.sampled_from(NAMES))

@@ -13,8 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.core import AttrSpec, Diagnostic, IRError, KilnError, OpDef, OpRegistry, TensorType
-from kiln.core._ir import MEMORY_HINTS, MODULE_KINDS, RECOMPUTE_POLICIES, SCOPES, SHARE_POLICIES
-from kiln.core._oplib._linalg import OPS as LINALG_OPS
 from kiln.core.ir import (
     DTYPES,
     IR_VERSION,
@@ -35,6 +33,8 @@ from kiln.core.ir import (
     parse_dim,
     verify,
 )
+from kiln.core.ir._ir import MEMORY_HINTS, MODULE_KINDS, RECOMPUTE_POLICIES, SCOPES, SHARE_POLICIES
+from kiln.core.ops.library._linalg import OPS as LINALG_OPS
 
 # --- a deterministic op registry ------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kiln.core._errors import OpError
-from kiln.core._gradcheck import check_op
-from kiln.core._ir import TensorType
-from kiln.core._oplib import _elementwise, _linalg
-from kiln.core._ops import InferContext, OpRegistry
+from kiln.core.autodiff._gradcheck import check_op
+from kiln.core.ir._ir import TensorType
+from kiln.core.ops._ops import InferContext, OpRegistry
+from kiln.core.ops.library import _elementwise, _linalg
 
 OPS = {o.name: o for o in _elementwise.OPS}
 

@@ -10,11 +10,11 @@ import pytest
 
 from kiln.core import get_registry, op_registry
 from kiln.core._errors import OpError
-from kiln.core._ir import TensorType
-from kiln.core._oplib import _math
-from kiln.core._ops import InferContext
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward, verify_backward
 from kiln.core.ir import Graph, Op, TensorDecl
+from kiln.core.ir._ir import TensorType
+from kiln.core.ops._ops import InferContext
+from kiln.core.ops.library import _math
 
 OPS = {o.name: o for o in _math.OPS}
 

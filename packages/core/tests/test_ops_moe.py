@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.core._dims import parse_shape, shape_to_json
 from kiln.core._errors import OpError
-from kiln.core._ir import TensorType
-from kiln.core._oplib import _moe
-from kiln.core._ops import InferContext, OpRegistry
+from kiln.core.ir._dims import parse_shape, shape_to_json
+from kiln.core.ir._ir import TensorType
+from kiln.core.ops._ops import InferContext, OpRegistry
+from kiln.core.ops.library import _moe
 
 REG = OpRegistry()
 for _op in _moe.OPS:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from kiln.core._errors import OpError
-from kiln.core._interp import run_graph
-from kiln.core._ir import Graph, Op, TensorType
-from kiln.core._oplib import _attention, _norms
-from kiln.core._ops import BackwardContext, InferContext, OpRegistry
+from kiln.core.autodiff._interp import run_graph
+from kiln.core.ir._ir import Graph, Op, TensorType
+from kiln.core.ops._ops import BackwardContext, InferContext, OpRegistry
+from kiln.core.ops.library import _attention, _norms
 
 OPS = {o.name: o for o in (*_norms.OPS, *_attention.OPS)}
 REGISTRY = OpRegistry()

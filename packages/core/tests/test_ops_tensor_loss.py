@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kiln.core import KilnError
-from kiln.core._dims import dims_equal, parse_dim
-from kiln.core._ir import Graph, Op, TensorDecl, TensorType
-from kiln.core._oplib import register_core_ops
-from kiln.core._ops import InferContext, OpRegistry
 from kiln.core.autodiff import derive_backward, verify_backward
+from kiln.core.ir._dims import dims_equal, parse_dim
+from kiln.core.ir._ir import Graph, Op, TensorDecl, TensorType
+from kiln.core.ops._ops import InferContext, OpRegistry
+from kiln.core.ops.library import register_core_ops
 
 REG = OpRegistry()
 register_core_ops(REG)

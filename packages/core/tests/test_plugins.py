@@ -16,10 +16,11 @@ from kiln_core_tiny import tiny_qwen3_bundle
 
 import kiln.core
 from kiln.core import OpDef, OpRegistry, PluginSession, TensorType
-from kiln.core._cli import main
 from kiln.core._errors import KilnError, KilnWarning, PluginError
-from kiln.core._hookspecs import hookimpl
-from kiln.core._plugins import (
+from kiln.core.cli._cli import main
+from kiln.core.plugins._hookspecs import hookimpl
+from kiln.core.plugins._registry import KINDS, NamedRegistry, PluginInfo, RegistryKind, declare_kind
+from kiln.core.plugins._session import (
     failed_plugins,
     get_registry,
     list_plugins,
@@ -27,7 +28,6 @@ from kiln.core._plugins import (
     register_plugin,
     reset_plugins,
 )
-from kiln.core._registry import KINDS, NamedRegistry, PluginInfo, RegistryKind, declare_kind
 from kiln.core.recompute import plan_context, plan_recompute
 
 AUTOLOAD = "KILN_DISABLE_PLUGIN_AUTOLOAD"
@@ -142,7 +142,7 @@ def test_kinds_are_declared_by_their_layer_and_built_by_any_session(monkeypatch:
 
 
 def test_contribution_hooks_are_historic_and_fill_the_declared_kinds() -> None:
-    from kiln.core import _hookspecs
+    from kiln.core.plugins import _hookspecs
 
     specs = {name: fn.kiln_spec for name, fn in vars(_hookspecs).items() if hasattr(fn, "kiln_spec")}
     historic = {name for name, opts in specs.items() if opts["historic"]}
@@ -362,7 +362,7 @@ def test_entry_points_load_unless_autoload_is_disabled(
 ) -> None:
     fake_dist("kiln-demo-ok", "")
     core, demo = list_plugins()
-    assert core == PluginInfo("core", "kiln-core", CORE_VERSION, "kiln.core._builtin")
+    assert core == PluginInfo("core", "kiln-core", CORE_VERSION, "kiln.core")
     assert demo == PluginInfo("kiln_demo_ok", "kiln-demo-ok", "0.3.0", "kiln_demo_ok")
     monkeypatch.setenv(AUTOLOAD, "1")
     reset_plugins()
@@ -461,7 +461,7 @@ def test_cli_plugins_lists_core(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins"]) == 0
     header, core = capsys.readouterr().out.splitlines()
     assert header.split() == ["name", "distribution", "version", "module", "status"]
-    assert core.split() == ["core", "kiln-core", CORE_VERSION, "kiln.core._builtin", "ok"]
+    assert core.split() == ["core", "kiln-core", CORE_VERSION, "kiln.core", "ok"]
 
 
 def _command(run: Any) -> types.SimpleNamespace:
@@ -500,7 +500,7 @@ def test_cli_a_command_name_stays_with_the_first_plugin(capsys: pytest.CaptureFi
                           "kiln_cli_commands: 'plugins' is registered twice in the cli_commands registry: "
                           f"by plugin 'core' (kiln-core {CORE_VERSION}) and by plugin 'thief'")
     rows = [line.split(maxsplit=4) for line in out.splitlines()]
-    assert rows[1] == ["core", "kiln-core", CORE_VERSION, "kiln.core._builtin", "ok"]
+    assert rows[1] == ["core", "kiln-core", CORE_VERSION, "kiln.core", "ok"]
     assert rows[2][:4] == ["thief", "(run", "time)", "-"]  # its module column follows
     assert "failed: error in kiln_cli_commands: 'plugins' is registered twice" in out.splitlines()[2]
     assert main(["thief-own"]) == 2  # its other command went with it

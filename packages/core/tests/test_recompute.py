@@ -20,7 +20,7 @@ import pytest
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle, with_dropout
 
 from kiln.core import KilnError, Model, PluginError, compile, hookimpl, register_plugin, reset_plugins
-from kiln.core._cli import main
+from kiln.core.cli._cli import main
 from kiln.core.ir import ActivationLayout, ActivationSlot, Bundle, Graph, Module, Op, ParamSpec, TensorDecl
 from kiln.core.recompute import (
     BlockPlan,
@@ -410,7 +410,7 @@ def test_dropout_replays_from_its_counter_state() -> None:
 
 def test_random_ops_without_counter_state_and_collectives_are_never_replayed() -> None:
     from kiln.core import OpDef, OpRegistry, TensorType, op_registry
-    from kiln.core._recompute_auto import model_front
+    from kiln.core.plan._recompute_auto import model_front
 
     registry = OpRegistry()
     for _, opdef in op_registry().items():

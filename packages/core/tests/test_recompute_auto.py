@@ -157,7 +157,7 @@ def test_matmuls_are_replayed_only_when_the_budget_forces_it() -> None:
 
 def test_planned_saved_bytes_are_what_the_memory_planner_places() -> None:
     """Every point of the front, compiled through a plugin that returns it, places exactly its bytes."""
-    from kiln.core._recompute_auto import to_plan
+    from kiln.core.plan._recompute_auto import to_plan
 
     bundle = tiny_qwen3_bundle(num_layers=3)
     binds = {"B": 2, "T": 8}

@@ -8,9 +8,9 @@ import numpy as np
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle
 
 from kiln.core import AdamW, Model, op_registry
-from kiln.core._gradcheck import max_rel_error
-from kiln.core._interp import run_graph
 from kiln.core.autodiff import derive_backward
+from kiln.core.autodiff._gradcheck import max_rel_error
+from kiln.core.autodiff._interp import run_graph
 
 MiB = 1 << 20
 

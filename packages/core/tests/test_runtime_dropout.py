@@ -9,8 +9,8 @@ import numpy as np
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle, with_dropout
 
 from kiln.core import Model
-from kiln.core._gradcheck import central_differences, max_rel_error
-from kiln.core._numpy_backend import counter_offset
+from kiln.core.autodiff._gradcheck import central_differences, max_rel_error
+from kiln.core.backends.numpy._backend import counter_offset
 
 
 def test_layers_and_steps_get_disjoint_counter_ranges() -> None:

@@ -9,8 +9,8 @@ import pytest
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle
 
 from kiln.core import AdamW, KilnError, Model, compile, get_registry, op_registry
-from kiln.core._oplib._optimizer import adamw_update
 from kiln.core.ir import Bundle, Graph, Module, Op, ParamSpec, TensorDecl
+from kiln.core.ops.library._optimizer import adamw_update
 
 BINDS = {"B": 2, "T": 5}
 

@@ -12,7 +12,7 @@ from kiln_core_tiny import random_batch, tiny_qwen3_bundle, with_dropout
 from threadpoolctl import threadpool_info
 
 from kiln.core import KilnError, Model, _threads
-from kiln.core._gradcheck import max_rel_error
+from kiln.core.autodiff._gradcheck import max_rel_error
 
 
 @pytest.fixture

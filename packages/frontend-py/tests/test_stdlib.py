@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kiln.core import Model
-from kiln.core._interp import run_graph
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward, verify_backward
+from kiln.core.autodiff._interp import run_graph
 from kiln.core.ir import Bundle, Module, evaluate_shape, from_json, verify
 from kiln.dsl import (
     B,

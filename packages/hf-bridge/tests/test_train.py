@@ -338,7 +338,7 @@ def test_progress_on_a_terminal_and_in_a_log() -> None:
 
 
 def test_cli(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kiln.core._cli import main
+    from kiln.core.cli._cli import main
 
     assert main(["--help"]) == 0
     usage = capsys.readouterr().out

@@ -2,7 +2,6 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from kiln.core._backend import Backend, Buffer, Executable
 from kiln.core._errors import (
     AutodiffError,
     Diagnostic,
@@ -13,13 +12,10 @@ from kiln.core._errors import (
     OpError,
     PluginError,
 )
-from kiln.core._gradcheck import GradReport, check_op
-from kiln.core._hookspecs import hookimpl
-from kiln.core._ir import TensorType
-from kiln.core._kernels import Kernel, KernelTable
-from kiln.core._model import Model, init_value
-from kiln.core._numpy_backend import NumpyBackend, counter_offset
-from kiln.core._ops import (
+from kiln.core.autodiff._gradcheck import GradReport, check_op
+from kiln.core.backends.numpy._backend import NumpyBackend, counter_offset
+from kiln.core.ir._ir import TensorType
+from kiln.core.ops import (
     AttrSpec,
     BackwardContext,
     Cost,
@@ -28,10 +24,17 @@ from kiln.core._ops import (
     OpRegistry,
     Sample,
     no_gradient,
+    op_registry,
+    register_backward_rule,
+    register_op,
 )
-from kiln.core._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup
-from kiln.core._passes import GraphPass, PassRun
-from kiln.core._plugins import (
+from kiln.core.plan._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup
+from kiln.core.plan._passes import GraphPass, PassRun
+from kiln.core.plan._program import PHASES, Fusion, Program, Slot, Step, Tensor, compile
+from kiln.core.plan.recompute import RecomputePlan
+from kiln.core.plugins._hookspecs import hookimpl
+from kiln.core.plugins._registry import NamedRegistry, PluginInfo
+from kiln.core.plugins._session import (
     PluginSession,
     failed_plugins,
     get_registry,
@@ -41,31 +44,14 @@ from kiln.core._plugins import (
     register_plugin,
     reset_plugins,
 )
-from kiln.core._program import PHASES, Fusion, Program, Slot, Step, Tensor, compile
-from kiln.core._registry import NamedRegistry, PluginInfo
-from kiln.core.recompute import RecomputePlan
+from kiln.core.runtime._backend import Backend, Buffer, Executable
+from kiln.core.runtime._kernels import Kernel, KernelTable
+from kiln.core.runtime._model import Model, init_value
 
 try:
     __version__ = version("kiln-core")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
-
-
-def op_registry() -> OpRegistry:
-    """The process-wide op registry (every plugin's ``kiln_register_ops`` plus run-time ops)."""
-    from kiln.core._oplib import op_registry as _op_registry
-
-    return _op_registry()
-
-
-def register_op(opdef: OpDef) -> OpDef:
-    """Register an op at run time (schema, shape rule, kernel and backward rule in one ``OpDef``)."""
-    return op_registry().register_op(opdef)
-
-
-def register_backward_rule(op_type: str, rule, *, replace: bool = False) -> None:  # type: ignore[no-untyped-def]
-    """Attach a backward rule to a registered op; see :class:`BackwardContext`."""
-    op_registry().set_backward(op_type, rule, replace=replace)
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 import sys
 
-from kiln.core._cli import main
+from kiln.core.cli._cli import main
 
 sys.exit(main())

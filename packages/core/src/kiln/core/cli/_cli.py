@@ -1,0 +1,248 @@
+"""The ``kiln`` command line: a skeleton whose subcommands come from plugins (core included)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kiln.core._errors import KilnError, KilnWarning
+from kiln.core.plugins._registry import KINDS, NamedRegistry, PluginInfo
+from kiln.core.plugins._session import env_flag, failed_plugins, get_registry, list_plugins, plugin_manager
+
+__all__ = ["main"]
+
+
+Run = Callable[[argparse.Namespace], "int | None"]
+Configure = Callable[[argparse.ArgumentParser], None]
+
+
+def _version_text() -> str:
+    core, *others = list_plugins()
+    dists = {(p.distribution, p.version) for p in others if p.distribution not in (None, core.distribution)}
+    return "\n".join([f"kiln {core.version or 'unknown'}"] + [f"  {d} {v}" for d, v in sorted(dists)])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="kiln: an ahead-of-time training compiler for transformer models.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps --version's line breaks
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands: NamedRegistry[tuple[str, Run, Configure | None]] = NamedRegistry("cli_commands")
+
+    # Runs inside each plugin's hook, so a duplicate name or a failing ``configure`` drops that
+    # plugin (named in a warning) and its commands; ``configure`` runs again on the real parser.
+    def register(name: str, *, help: str, run: Run, configure: Configure | None = None) -> None:
+        commands.register(name, (help, run, configure))
+        if configure is not None:
+            configure(argparse.ArgumentParser(prog=f"kiln {name}"))
+
+    plugin_manager().hook.kiln_cli_commands(register=register)
+    loaded = list_plugins()
+    for name, (help, run, configure) in commands.items():
+        owner = commands.owner(name)
+        if isinstance(owner, PluginInfo) and owner not in loaded:
+            continue  # its plugin failed after registering it
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(_run=run)
+        if configure is not None:
+            configure(p)
+    parser.add_argument("--version", action="version", version=_version_text())
+    return parser
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    for kind in sorted(KINDS):  # runs every contribution hook, so that a plugin failing in one shows
+        get_registry(kind)
+    rows = [("name", "distribution", "version", "module", "status")]
+    rows += [(p.name, p.distribution or "(run time)", p.version or "-", p.module, p.status)
+             for p in [*list_plugins(), *failed_plugins()]]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[4]]))
+    return 0
+
+
+def _show_warning(show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` that prints a :class:`KilnWarning` as ``kiln: warning: ...``."""
+
+    def shown(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              file: Any = None, line: str | None = None) -> None:
+        if issubclass(category, KilnWarning):
+            print(f"kiln: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kiln``; returns the exit code (2 for a ``KilnError``, printed without a traceback).
+
+    A plugin that fails is skipped with a ``kiln: warning: ...`` line; the rest of kiln works.
+    """
+    with warnings.catch_warnings():  # restores warnings.showwarning
+        warnings.showwarning = _show_warning(warnings.showwarning)
+        try:
+            parser = _parser()
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as exc:  # --help, --version, usage errors
+                return int(exc.code or 0)
+            run: Any = args._run
+            return int(run(args) or 0)
+        except KilnError as exc:
+            if env_flag("KILN_DEBUG"):
+                traceback.print_exc()
+            print(f"kiln: error: {exc}", file=sys.stderr)
+            return 2
+
+
+# ---------------------------------------------------------------------------------------------
+# kiln plan
+
+
+def configure_plan(p: argparse.ArgumentParser) -> None:
+    from kiln.core.plan.recompute import MODES
+
+    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model) or an IR Bundle .json file")
+    p.add_argument("--config", default=None,
+                   help="the model's config: a JSON object, or a .json file holding one (DSL models)")
+    p.add_argument("--mode", choices=("full", "lora"), default="full", help="training mode (default full)")
+    p.add_argument("--recompute", choices=MODES, default="dsl", help="recompute mode (default dsl)")
+    p.add_argument("--budget", default=None,
+                   help="auto budget, the saved activations allowed: bytes (123456, 64MiB) or a fraction "
+                        "of those without recompute (0.5, 50%%)")
+    p.add_argument("--batch", type=int, default=8, help="batch size B (default 8)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length T (default 256)")
+    p.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[=OPTIONS]",
+                   help="run a registered graph pass first (repeatable); OPTIONS is a JSON object, "
+                        "e.g. --pass 'lora={\"r\": 8}'")
+    p.add_argument("--pareto", action="store_true",
+                   help="print every auto plan: saved activations, planned peak and extra FLOPs")
+
+
+def parse_budget(text: str | None) -> float | None:
+    """``123456`` (bytes), ``64MiB``, ``0.5`` or ``50%`` (fractions)."""
+    if text is None:
+        return None
+    t = text.strip()
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    try:
+        if t.endswith("%"):
+            return float(t[:-1]) / 100
+        for unit, scale in units.items():
+            if t.endswith(unit):
+                return int(float(t[:-len(unit)]) * scale)
+        return int(t) if t.isdigit() else float(t)
+    except ValueError:
+        raise KilnError(f"--budget {text!r} is not a budget; give bytes (123456, 64MiB) or a fraction "
+                        "(0.5, 50%)") from None
+
+
+def _load_model(name: str, config: str | None) -> Any:
+    import json
+    from pathlib import Path
+
+    from kiln.core.ir._ir import from_json
+
+    if name.endswith(".json") or Path(name).is_file():
+        path = Path(name)
+        if not path.is_file():
+            raise KilnError(f"no such IR file: {name}")
+        return from_json(path.read_text(encoding="utf-8"))
+    cfg: dict[str, Any] = {}
+    if config:
+        text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
+        try:
+            cfg = json.loads(text)
+        except ValueError as exc:
+            raise KilnError(f"--config is neither a JSON object nor a JSON file: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise KilnError(f"--config must be a JSON object, found {type(cfg).__name__}")
+    try:
+        build_bundle = importlib.import_module("kiln.dsl").build_bundle
+    except ImportError:
+        raise KilnError(f"model {name!r}: registered model names come from kiln-dsl, which is not installed",
+                        hint="pip install kiln-dsl, or pass an IR Bundle .json file") from None
+    return build_bundle(name, cfg)
+
+
+def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME=JSON-OBJECT`` (a graph pass and its options)."""
+    import json
+
+    name, sep, options = text.partition("=")
+    if not sep:
+        return name
+    try:
+        parsed = json.loads(options)
+    except ValueError as exc:
+        raise KilnError(f"--pass {text!r}: the options after '=' are not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise KilnError(f"--pass {text!r}: the options must be a JSON object, found {type(parsed).__name__}")
+    return name, parsed
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kiln.core.plan._program import compile
+    from kiln.core.plan.recompute import _size
+
+    bundle = _load_model(args.model, args.config)
+    budget = parse_budget(args.budget)
+    binds = {"B": args.batch, "T": args.seq}
+    prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget,
+                   passes=[parse_pass(p) for p in args.passes])
+    plan = prog.recompute
+    print("passes:")
+    for run in prog.passes:
+        print(f"  {run.stage:<18} {run.name:<24} {run.seconds * 1e3:8.1f} ms")
+    print()
+    report = prog.memory_report()
+    print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={args.batch} T={args.seq}, "
+          f"planned by {plan.planner} in {plan.seconds * 1e3:.1f} ms")
+    if not any(p.trainable for p in prog.params):
+        print(f"note: no parameter trains in {args.mode} mode (LoRA needs lora_* parameters)")
+    print()
+    print(plan.table())
+    print()
+    print("planned peak:")
+    for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations",
+              "transient", "peak"):
+        extra = ""
+        if k == "saved_activations" and plan.reference_bytes:
+            extra = f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} " \
+                    "without recompute)"
+        print(f"  {k:<18} {_size(report[k]):>12}{extra}")
+    if plan.budget is not None:
+        act = report["saved_activations"] + report["transient"]
+        print(f"  saved activations {_size(report['saved_activations'])} within the budget of "
+              f"{_size(plan.budget)} (activation peak {_size(act)})")
+    if args.pareto:
+        fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
+        _print_pareto(bundle, binds, args.mode, fixed)
+    return 0
+
+
+def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> None:
+    from kiln.core.plan._program import measure
+    from kiln.core.plan.recompute import _size, pareto, plan_context
+
+    points = pareto(plan_context(bundle, bindings=binds, mode=mode), measure=measure(bundle, binds, mode))
+    rows = [("budget", "saved", "activations", "peak", "extra GFLOP", "matmul")]
+    for pt in points:
+        act = pt.peak or 0
+        rows.append((str(pt.bytes), _size(pt.bytes), _size(act), _size(act + fixed), f"{pt.flops / 1e9:.3f}",
+                     "yes" if pt.matmul else ""))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    print()
+    print("auto plans (budget in saved bytes -> saved, activation peak, planned peak, extra FLOPs "
+          "per step):")
+    for r in rows:
+        print("  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))

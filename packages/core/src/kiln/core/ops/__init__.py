@@ -1,0 +1,53 @@
+"""The op layer: :class:`OpDef` (schema, attributes, shape rule, traits, backward rule, reference
+kernel), the op registry and kiln-core's op library."""
+
+from collections.abc import Callable, Sequence
+
+from kiln.core.ir._infer import InferContext, infer_types
+from kiln.core.ops._ops import (
+    AttrSpec,
+    BackwardContext,
+    Cost,
+    OpDef,
+    OpRegistry,
+    Sample,
+    no_gradient,
+    numpy_dtype,
+)
+
+
+def op_registry() -> OpRegistry:
+    """The op registry of the current plugin session (every plugin's ``kiln_register_ops`` and the
+    ops registered at run time)."""
+    from kiln.core.ops.library import op_registry as _op_registry
+
+    return _op_registry()
+
+
+def register_op(opdef: OpDef) -> OpDef:
+    """Register an op at run time (schema, shape rule, reference kernel and backward rule in one
+    ``OpDef``)."""
+    return op_registry().register_op(opdef)
+
+
+def register_backward_rule(op_type: str, rule: Callable[[BackwardContext], Sequence[str | None]], *,
+                           replace: bool = False) -> None:
+    """Attach a backward rule to a registered op; see :class:`BackwardContext`."""
+    op_registry().set_backward(op_type, rule, replace=replace)
+
+
+__all__ = [
+    "AttrSpec",
+    "BackwardContext",
+    "Cost",
+    "InferContext",
+    "OpDef",
+    "OpRegistry",
+    "Sample",
+    "infer_types",
+    "no_gradient",
+    "numpy_dtype",
+    "op_registry",
+    "register_backward_rule",
+    "register_op",
+]

@@ -1,0 +1,1062 @@
+"""Programs: what a backend runs. ``compile`` lowers a model's IR to ordered steps and one arena.
+
+Lowering (seed 004 §9.7.3) is three passes, each a function of the previous result:
+
+1. **schedule**: the forward graph, its backward (from ``derive_backward``; a repeated block's
+   backward is derived once and scheduled once per layer, last layer first) and the optimizer
+   update become one list of :class:`Step`, every tensor named by a unique key
+   (``blocks.3.attn.qkv`` for block tensor ``attn.qkv`` of layer 3) with a concrete shape;
+2. **lifetimes**: each tensor's first and last step; views and reshapes join the slot of their
+   input (free), and an op whose ``out=`` kernel allows it writes over an input that dies there;
+3. **placement**: weights, gradients and optimizer state first, at offsets that depend on the
+   model only (every Program of a model shares them), then the inputs, then every other slot
+   packed by lifetime (greedy by size, first fit).
+
+Between the forward and the backward, the recompute planner (:mod:`kiln.core.plan.recompute`) decides per
+block what the backward reads saved and what it recomputes; the scheduler places each recompute op
+right before the first backward step that reads one of its outputs (block mode: the whole block
+before the layer's backward), replaying the forward ops with their kernels and attributes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kiln.core._errors import KilnError, OpError
+from kiln.core.autodiff._autodiff import DeriveBackwardOptions, derive_backward
+from kiln.core.ir._dims import evaluate_shape, parse_dim
+from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
+from kiln.core.ops._ops import Cost, InferContext, OpRegistry
+from kiln.core.plan._optim import Optimizer, make_optimizer
+from kiln.core.plan._passes import PassRun, PassSpec, run_passes
+from kiln.core.plan.recompute import BlockContext, BlockPlan, PlanContext, RecomputePlan, plan_recompute
+
+TRAINING_MODES = ("full", "lora")
+TASKS = ("train", "eval", "logits")
+DTYPES = ("float32", "float64")
+ALIGN = 64  # bytes; every slot starts at a multiple
+#: a training step's phases in order; ``grad_sync`` is empty on one process (kiln-dist fills it)
+PHASES = ("forward", "backward", "grad_sync", "optimizer")
+WORKSPACE = "optimizer.workspace"
+FUSED_HEAD = "fused_lm_head_loss_and_grad"
+INPUTS = ("token_ids", "position_ids", "targets")
+SEED = "d_loss"  # the backward's seed, an input of every training Program
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan objects
+
+
+@attrs.frozen
+class Tensor:
+    """A tensor of a Program: concrete shape, NumPy dtype, and where it lives in the arena."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    slot: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@attrs.frozen
+class Slot:
+    """A range of the arena and the tensors that use it in turn (or share it, as views)."""
+
+    name: str
+    kind: str  # weight | gradient | optimizer_state | input | output | saved | transient
+    nbytes: int
+    offset: int
+    first: int
+    last: int
+    tensors: tuple[str, ...]
+
+
+@attrs.frozen
+class Step:
+    """One scheduled op. ``how``: ``kernel`` (the kernel returns its results, copied into the slots),
+    ``out`` (an ``out=`` kernel writes the slots), ``alias`` (nothing to run: the output shares its
+    input's storage), ``copy`` (a view that must land in its own slot), ``optimizer`` (an update in
+    place, with the step's run-time scalars).
+    ``recompute``: a forward op replayed in the backward (its outputs are ``<key>:recompute``)."""
+
+    index: int
+    phase: str
+    op: Op
+    layer: int | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    how: str
+    attrs: FrozenDict = attrs.field(factory=FrozenDict)
+    recompute: bool = False
+    #: the kernel-table key of the kernel that runs the step, or "" for the op's reference kernel
+    kernel: str = ""
+
+    def __str__(self) -> str:
+        where = f" [layer {self.layer}]" if self.layer is not None else ""
+        phase = "rec" if self.recompute else self.phase[:3]
+        return (f"{self.index:>4} {phase} {self.how:<5} {', '.join(self.outputs)} = "
+                f"{self.op.type}({', '.join(i or '_' for i in self.inputs)}){where}")
+
+
+@attrs.frozen
+class ParamInfo:
+    """A parameter of the Program: its key, shape, init spec and (if trained) gradient and state keys."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: FrozenDict
+    trainable: bool
+    grad: str | None = None
+    state: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Fusion:
+    """Steps a backend runs as one kernel when it runs them together (forward and backward in one
+    training step): ``kind`` names the backend capability and the kernel, ``steps`` the indices of the
+    steps it replaces, ``inputs``/``outputs`` the tensors it reads and writes, ``attrs`` its attributes."""
+
+    kind: str
+    steps: tuple[int, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: FrozenDict = attrs.field(factory=FrozenDict)
+    kernel: str = ""
+
+
+@attrs.frozen(eq=False)
+class Program:
+    """Ordered steps (forward, backward, optimizer) and one arena plan; a backend runs it as planned."""
+
+    name: str
+    backend: str
+    task: str
+    mode: str
+    dtype: str
+    bindings: FrozenDict
+    steps: tuple[Step, ...]
+    tensors: FrozenDict  # key -> Tensor
+    slots: tuple[Slot, ...]
+    params: tuple[ParamInfo, ...]
+    persistent_bytes: int  # weights, gradients and optimizer state: the same for every Program of a model
+    arena_bytes: int
+    output: str  # "loss" (per token) or "logits"
+    recompute: RecomputePlan
+    passes: tuple[PassRun, ...]  # every pass compile ran: stage, name, seconds
+    fusions: tuple[Fusion, ...] = ()
+    optimizer: Optimizer | None = None
+
+    def phase(self, name: str) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.phase == name)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena."""
+        by_kind = {k: 0 for k in ("weight", "gradient", "optimizer_state", "input", "output", "saved")}
+        for s in self.slots:
+            if s.kind in by_kind:
+                by_kind[s.kind] += s.nbytes
+        fixed = sum(by_kind.values())
+        return {
+            "weights": by_kind["weight"], "gradients": by_kind["gradient"],
+            "optimizer_state": by_kind["optimizer_state"], "inputs": by_kind["input"],
+            "outputs": by_kind["output"],
+            "saved_activations": by_kind["saved"], "transient": self.arena_bytes - fixed,
+            "peak": self.arena_bytes,
+            "slots": [{"name": s.name, "kind": s.kind, "bytes": s.nbytes, "offset": s.offset,
+                       "lifetime": (s.first, s.last), "tensors": list(s.tensors)} for s in self.slots],
+        }
+
+    def pretty(self) -> str:
+        return "\n".join(str(s) for s in self.steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile
+
+
+def _int_config(module: Module) -> dict[str, int]:
+    return {k: v for k, v in module.config.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _resolve(module_ir: Bundle | Module,
+             modules: Mapping[str, Module] | None) -> tuple[Module, dict[str, Module]]:
+    if isinstance(module_ir, Bundle):
+        if module_ir.entry is None:
+            raise KilnError("the Bundle has no entry module; set Bundle(entry=<model name>)", code="E002")
+        mods = {m.name: m for m in module_ir.modules}
+        model = module_ir.module(module_ir.entry)
+    elif isinstance(module_ir, Module):
+        model, mods = module_ir, {}
+    else:
+        raise KilnError(f"compile expects a Bundle or a model Module, found {type(module_ir).__name__}")
+    mods.update(modules or {})
+    if model.forward is None:
+        raise KilnError(f"module {model.name!r} has no forward graph", code="E002")
+    return model, mods
+
+
+def _inference(module: Module) -> Module:
+    """``module`` as inference runs it (a model in eval mode): each dropout op passes its input on, as
+    an alias of the same storage (``contiguous``), so it costs nothing."""
+    g = module.forward
+    if g is None or not any(op.type == "dropout" for op in g.ops):
+        return module
+    ops = [Op("contiguous", op.inputs[:1], op.outputs[:1], loc=op.loc) if op.type == "dropout" else op
+           for op in g.ops]
+    return attrs.evolve(module, forward=attrs.evolve(g, ops=ops))
+
+
+def _choice(what: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise KilnError(f"{what}={value!r} is not valid; expected one of {', '.join(map(repr, valid))}")
+
+
+def _trains(spec: ParamSpec, mode: str) -> bool:
+    """Full fine-tuning trains every unfrozen parameter; LoRA only parameters whose role is ``adapter``."""
+    return not spec.frozen and (mode == "full" or spec.inferred_role() == "adapter")
+
+
+def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping[str, int],
+                 mode: str) -> list[tuple[str, ParamSpec, tuple[int, ...], bool]]:
+    """Every stored parameter as (key, spec, shape, trainable): model params in order, then stacks
+    expanded per layer as ``<stack>.<i>.<name>``. Tied parameters have no storage of their own."""
+    out: list[tuple[str, ParamSpec, tuple[int, ...], bool]] = []
+    binds = {**_int_config(model), **bindings}
+    for spec in model.params:
+        if spec.tied_to is not None:
+            continue
+        if spec.array_of is None:
+            out.append((spec.name, spec, evaluate_shape(spec.shape, binds), _trains(spec, mode)))
+            continue
+        block = modules.get(spec.array_of)
+        if block is None or spec.count is None:
+            raise KilnError(f"parameter {spec.name!r} stacks module {spec.array_of!r}, "
+                            "which is not in the bundle",
+                            code="E002")
+        bbinds = {**binds, **_int_config(block)}
+        for i in range(spec.count.evaluate(binds)):
+            for bspec in block.params:
+                out.append((f"{spec.name}.{i}.{bspec.name}", bspec, evaluate_shape(bspec.shape, bbinds),
+                            _trains(bspec, mode) and not spec.frozen))
+    return out
+
+
+@attrs.frozen
+class Target:
+    """What a Program is planned for: the backend (by registry name or object), its kernel table, the
+    optimizer whose update the optimizer phase runs, and the float type of compute."""
+
+    backend: Any
+    kernels: Any
+    optimizer: Optimizer | None
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, backend: Any = "numpy", optimizer: Any = "adamw", dtype: str = "float32",
+           kernels: Any = None) -> Target:
+        """Backend, kernel table and optimizer looked up in the current plugin session when given by name
+        (an optimizer may also be a dict ``{"name": ..., **settings}``)."""
+        from kiln.core.plugins._session import get_registry
+
+        _choice("dtype", dtype, DTYPES)
+        if isinstance(backend, str):
+            backend = get_registry("backends")[backend]  # an unknown backend names the plugin to install
+        if dtype not in tuple(getattr(backend, "dtypes", DTYPES)):
+            raise KilnError(f"backend {backend.name!r} computes in {', '.join(backend.dtypes)}, not {dtype}")
+        opt = make_optimizer(get_registry("optimizers"), optimizer) if not (
+            optimizer is None or isinstance(optimizer, Optimizer)) else optimizer
+        return cls(backend, kernels if kernels is not None else get_registry("kernels"), opt, dtype)
+
+
+def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: Any = "numpy",
+            mode: str = "full", recompute: str = "none", recompute_budget: float | None = None,
+            recompute_options: Mapping[str, Any] | None = None, memory_budget: int | None = None,
+            modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: Any = "adamw",
+            dtype: str = "float32", registry: OpRegistry | None = None, kernels: Any = None,
+            passes: Sequence[PassSpec] = ()) -> Program:
+    """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``), planned
+    for ``backend`` (a registered name or a backend object): every op runs the kernel the kernel table
+    has for it there (an op without one is an error naming both), and fusions the backend implements
+    are planned.
+
+    ``task="train"`` schedules forward, backward, ``grad_sync`` (empty on one process) and the
+    ``optimizer``'s update (an :class:`~kiln.core.Optimizer`, a registered name such as ``"adamw"`` or
+    ``"sgd"``, a dict ``{"name": ..., **settings}``, or None for no update); ``task="eval"`` the
+    forward and its loss, ``task="logits"`` the forward with the LM-head loss replaced by its logits;
+    both are inference, as a model in eval mode: dropout is off. ``dtype`` is the float type float
+    tensors compute in. Weights, gradients and optimizer state are laid out the same way for every task
+    and binding, so all Programs of a model can share one arena.
+    ``recompute``: ``none``, ``dsl``, ``auto`` or ``block`` (see :mod:`kiln.core.plan.recompute`);
+    ``recompute_budget``: the auto planner's budget, the saved activations allowed in bytes (int) or
+    as a fraction of the no-recompute ones (float), 0.5 by default. ``passes``: graph passes from the
+    ``graph_passes`` registry to run first, each a name or ``(name, options)`` (``("lora", {"r": 8})``),
+    by stage (``adapt``, then ``shard``); every pass run is recorded in ``Program.passes``.
+    """
+    _choice("mode", mode, TRAINING_MODES)
+    _choice("task", task, TASKS)
+    target = Target.of(backend, optimizer, dtype, kernels)
+    runs: list[PassRun] = []
+    if passes:
+        from kiln.core.plugins._session import get_registry
+
+        module_ir, runs = run_passes(_as_bundle(module_ir, modules), passes, get_registry("graph_passes"))
+        modules = None
+    t0 = time.perf_counter()
+    model, mods = _resolve(module_ir, modules)
+    if task != "train":
+        model, mods = _inference(model), {k: _inference(m) for k, m in mods.items()}
+    s = _Scheduler(model, mods, _ops_registry(registry), target, _binds(model, bindings), mode)
+    s.schedule_forward(task)
+    plan = RecomputePlan("none", mode)
+    if task == "train":
+        plan = plan_recompute(s.plan_context(), recompute, budget=recompute_budget,
+                              options={"measure": _measure(s), **(recompute_options or {})})
+    s.schedule_rest(task, plan)
+    t1 = time.perf_counter()
+    slots, tensors, persistent, arena = _place(s)
+    fusions = _fusions(s, tensors) if task == "train" else ()
+    t2 = time.perf_counter()
+    program = Program(
+        name=model.name, backend=target.backend.name, task=task, mode=mode, dtype=dtype,
+        bindings=FrozenDict(s.binds), steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots),
+        params=tuple(s.param_infos()), persistent_bytes=persistent, arena_bytes=arena,
+        output="logits" if task == "logits" else "loss", recompute=plan,
+        passes=(*runs, PassRun("autodiff+schedule", "schedule", t1 - t0 - plan.seconds),
+                PassRun("recompute", plan.planner or plan.mode, plan.seconds),
+                PassRun("memory", "place", t2 - t1)),
+        fusions=fusions, optimizer=target.optimizer if task == "train" else None,
+    )
+    if memory_budget is not None and arena > memory_budget:
+        raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
+                        hint="recompute='block' or recompute='auto' trade compute for memory")
+    return program
+
+
+def _as_bundle(module_ir: Bundle | Module, modules: Mapping[str, Module] | None) -> Bundle:
+    model, mods = _resolve(module_ir, modules)
+    return Bundle((model, *(m for name, m in mods.items() if name != model.name)), entry=model.name)
+
+
+def _ops_registry(registry: OpRegistry | None) -> OpRegistry:
+    if registry is not None:
+        return registry
+    from kiln.core.plugins._session import get_registry
+
+    ops: OpRegistry = get_registry("ops")  # type: ignore[assignment]
+    return ops
+
+
+def _binds(model: Module, bindings: Mapping[str, int]) -> dict[str, int]:
+    return {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+
+
+def _context(module_ir: Bundle | Module, *, bindings: Mapping[str, int], mode: str,
+             modules: Mapping[str, Module] | None, dtype: str, registry: OpRegistry | None) -> PlanContext:
+    _choice("mode", mode, TRAINING_MODES)
+    model, mods = _resolve(module_ir, modules)
+    s = _Scheduler(model, mods, _ops_registry(registry), Target.of(dtype=dtype), _binds(model, bindings),
+                   mode)
+    s.schedule_forward("train")
+    return s.plan_context()
+
+
+def measure(module_ir: Bundle | Module, bindings: Mapping[str, int], mode: str = "full", *,
+            modules: Mapping[str, Module] | None = None, dtype: str = "float32",
+            optimizer: Any = "adamw", backend: Any = "numpy") -> Callable[[RecomputePlan], int]:
+    """plan -> the activation peak (arena minus weights, gradients, optimizer state, inputs and outputs)
+    of the training Program compiled with that plan."""
+    _choice("mode", mode, TRAINING_MODES)
+    model, mods = _resolve(module_ir, modules)
+    s = _Scheduler(model, mods, _ops_registry(None), Target.of(backend, optimizer, dtype),
+                   _binds(model, bindings), mode)
+    s.schedule_forward("train")
+    return _measure(s)
+
+
+FIXED_KINDS = ("weight", "gradient", "optimizer_state", "input", "output")
+
+
+def _measure(s: _Scheduler) -> Callable[[RecomputePlan], int]:
+    def peak(plan: RecomputePlan) -> int:
+        trial = s.fork()
+        trial.schedule_rest("train", plan)
+        slots, _, _, arena = _place(trial)
+        return arena - sum(sl.nbytes for sl in slots if sl.kind in FIXED_KINDS)
+
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1: schedule
+
+
+@attrs.define
+class _Call:
+    callee: Module
+    prefix: str
+    layers: list[dict[str, str]]  # per layer: block tensor name -> key
+    binds: dict[str, int]
+    inputs: list[str] = attrs.Factory(list)  # keys the stack reads and returns
+    outputs: list[str] = attrs.Factory(list)
+    first_steps: list[int] = attrs.Factory(list)  # the step of each op of layer 0
+
+
+class _Scheduler:
+    def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, target: Target,
+                 binds: dict[str, int], mode: str) -> None:
+        self.model, self.modules, self.registry, self.binds = model, modules, registry, binds
+        self.target, self.float_dtype, self.mode = target, np.dtype(target.dtype), mode
+        self.steps: list[Step] = []
+        self.types: dict[str, tuple[tuple[int, ...], str]] = {}  # key -> (shape, IR dtype)
+        self.kinds: dict[str, str] = {}  # pinned keys: weight, gradient, optimizer_state, input
+        self.params = model_params(model, modules, binds, mode)
+        self.trainable = {key for key, _, _, t in self.params if t}
+        self.grads: dict[str, str] = {}  # param key -> key of its gradient tensor
+        self.calls: dict[tuple[str, ...], _Call] = {}
+        self.optimizer: Optimizer | None = target.optimizer
+        self.update = False  # whether the optimizer phase is scheduled
+        self._derived: dict[tuple[str, DeriveBackwardOptions], Any] = {}
+        self._added: dict[Any, Any] = {}
+        self._np_dtypes: dict[str, str] = {}
+        self.plan = RecomputePlan()
+        self.shared: dict[tuple[str, str, str], list[str]] = {}  # (block, stack, tensor) -> each layer's copy
+        for key, _, shape, _ in self.params:
+            self.types[key] = (shape, "fp32")
+            self.kinds[key] = "weight"
+
+    # -- helpers
+
+    def np_dtype(self, ir_dtype: str) -> str:
+        if ir_dtype not in self._np_dtypes:
+            self._np_dtypes[ir_dtype] = str(self.float_dtype) if is_float(ir_dtype) else \
+                str(np.dtype({"int8": np.int8, "int32": np.int32}[ir_dtype]))
+        return self._np_dtypes[ir_dtype]
+
+    def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
+            layer: int | None = None, recompute: bool = False) -> None:
+        in_types = tuple(self.types[k] if k else None for k in ins)
+        memo = (op, in_types, tuple(sorted(binds.items())))  # a block op runs per layer (and per trial plan)
+        if memo not in self._added:
+            opdef = self.registry.get_op(op.type)
+            resolved = opdef.resolve_attrs(op.attrs)
+            types = [TensorType(t[0], t[1]) if t else None for t in in_types]
+            kinds = {a.name: a.kind for a in opdef.attrs}
+            concrete = {k: opdef.kernel_attrs({k: v}, binds)[k] if kinds.get(k) in ("dim", "dims") else v
+                        for k, v in resolved.items()}  # shape rules then see numbers, not symbols
+            try:
+                inferred = [(evaluate_shape(t.shape, binds), t.dtype)
+                            for t in opdef.infer(InferContext(op.type, types, concrete))]
+                if len(inferred) != len(outs):
+                    raise KilnError(f"its shape rule gives {len(inferred)} outputs, the op names {len(outs)}")
+            except KilnError as exc:
+                raise KilnError(f"op {op.type!r} producing {', '.join(o for o in outs if o)!r}"
+                                f"{f' in layer {layer}' if layer is not None else ''}: {exc.message}",
+                                code=exc.code or "E004") from None
+            kattrs = FrozenDict(opdef.kernel_attrs(resolved, binds, self.float_dtype))
+            if opdef.alias:
+                how, kernel = "alias", ""
+            else:
+                found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+                how, kernel = ("out" if found.out else "kernel"), ("" if found.backend == "reference" else
+                                                                  _kernel_key(found))
+            self._added[memo] = (inferred, kattrs, how, kernel)
+        inferred, kattrs, how, kernel = self._added[memo]
+        for k, t in zip(outs, inferred, strict=True):
+            if k:
+                self.types[k] = t
+        self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how, kattrs,
+                               recompute, kernel))
+
+    def declare(self, key: str, shape: Sequence[Any], dtype: str, binds: Mapping[str, int],
+                kind: str) -> None:
+        self.types[key] = (evaluate_shape(tuple(parse_dim(d) for d in shape), binds), dtype)
+        self.kinds[key] = kind
+
+    def param_infos(self) -> list[ParamInfo]:
+        return [ParamInfo(key, shape, spec.init, trainable, self.grads.get(key), self.state(key))
+                for key, spec, shape, trainable in self.params]
+
+    def state(self, key: str) -> tuple[str, ...]:
+        opt = self.optimizer
+        return tuple(f"{opt.name}.{m}.{key}" for m in opt.state) if opt and key in self.trainable else ()
+
+    # -- the passes over the graphs
+
+    def schedule_forward(self, task: str) -> None:
+        self.task = task
+        graph = self.model.forward
+        assert graph is not None
+        if task == "logits":
+            graph = _logits_graph(graph)
+        self.graph = graph
+        env: dict[str, str] = {}
+        used = {i for op in graph.ops for i in op.inputs}
+        for d in graph.inputs:
+            if d.name in used:
+                self.declare(d.name, d.shape, d.dtype, self.binds, "input")
+                env[d.name] = d.name
+        stored = {key for key, *_ in self.params}
+        for d in graph.params:
+            if d.name in stored:
+                env[d.name] = d.name
+        for op in graph.ops:
+            if op.type == "call":
+                self.forward_call(op, env)
+            elif op.type == "call_backward":
+                raise KilnError("a forward graph cannot hold call_backward", code="E003")
+            else:
+                self.add("forward", op, [env[i] if i else "" for i in op.inputs], self.own(op.outputs, env),
+                         self.binds)
+        out = "logits" if task == "logits" else "loss"
+        self.kinds[env[out]] = "output"  # read by the caller after the run: live to the end
+        self.env = env
+
+    def fork(self) -> _Scheduler:
+        """A copy of this scheduler after its forward, to schedule a backward on (caches shared)."""
+        new = copy.copy(self)
+        new.steps, new.types, new.kinds = list(self.steps), dict(self.types), dict(self.kinds)
+        new.grads = dict(self.grads)
+        new.shared = {}
+        return new
+
+    def schedule_rest(self, task: str, plan: RecomputePlan) -> None:
+        self.plan = plan
+        if task == "train":
+            self.backward(self.graph, self.env)
+        # gradients and optimizer state exist for every task, so that all Programs share one layout
+        for key, _, shape, _ in self.params:
+            missing = key in self.trainable and key not in self.grads
+            for k in [*([f"grad.{key}"] if missing else []), *self.state(key)]:
+                self.types[k] = (shape, "fp32")
+                self.kinds[k] = "gradient" if k == f"grad.{key}" else "optimizer_state"
+            if key in self.trainable:
+                self.grads.setdefault(key, f"grad.{key}")
+        if task == "train" and self.optimizer is not None:
+            self.optimizer_steps(self.optimizer)
+
+    # -- what the recompute planner sees
+
+    def nbytes(self, key: str) -> int:
+        shape, dt = self.types[key]
+        return _align(math.prod(shape) * np.dtype(self.np_dtype(dt)).itemsize)
+
+    def derived(self, graph: Graph, opts: DeriveBackwardOptions) -> Any:
+        """The backward of ``graph``: its module's explicit ``backward`` (validated, and checked against
+        the derived one by :func:`kiln.core.autodiff.explicit_backward`), else the derived one."""
+        key = (graph.name, opts)
+        if key not in self._derived:
+            owner = next((m for m in (self.model, *self.modules.values()) if m.forward is graph), None)
+            if owner is not None and owner.backward is not None:
+                from kiln.core.autodiff._explicit import explicit_backward
+
+                res = explicit_backward(owner, loss_name=opts.loss_name, registry=self.registry,
+                                        modules=self.modules)
+            else:
+                res = derive_backward(graph, opts, registry=self.registry, modules=self.modules)
+            self._derived[key] = res
+        return self._derived[key]
+
+    def block_options(self, call: _Call) -> DeriveBackwardOptions:
+        assert call.callee.forward is not None
+        return DeriveBackwardOptions(stop_gradients=self.stops(call.callee.forward, f"{call.prefix}.0."),
+                                     loss_name=None)
+
+    def plan_context(self) -> PlanContext:
+        """The blocks of the forward just scheduled, sized and costed for this shape."""
+        blocks: dict[str, BlockContext] = {}
+        call_keys: set[str] = set()
+        for call in self.calls.values():
+            g = call.callee.forward
+            assert g is not None
+            lenv = call.layers[0]
+            call_keys.update(call.inputs + call.outputs)
+            if call.callee.name in blocks:  # one block in two stacks: one plan for both
+                b = blocks[call.callee.name]
+                blocks[call.callee.name] = attrs.evolve(b, layers=b.layers + len(call.layers))
+                continue
+            sizes = {n: self.nbytes(k) for n, k in lenv.items() if k in self.types}
+            costs = [self.cost(self.steps[i]) for i in call.first_steps]
+            # no gradient reaches the stack (nothing trains through it): its backward never runs
+            runs = call.prefix in self.differentiated()
+            saves = self.derived(g, self.block_options(call)).saves if runs else ()
+            carries = tuple((o.name, i.name) for o, i in zip(g.outputs, g.inputs, strict=False))
+            blocks[call.callee.name] = BlockContext(call.callee, len(call.layers), saves, FrozenDict(sizes),
+                                                    tuple(costs), carries)
+        fixed = 0
+        if self.task == "train":
+            root: dict[str, str] = {}
+            for st in self.steps:
+                for o in st.outputs:
+                    if o:
+                        root[o] = root.get(st.inputs[0], st.inputs[0]) if st.how == "alias" else o
+            saves = self.derived(self.graph, DeriveBackwardOptions(
+                loss_name="loss", stop_gradients=self.stops(self.graph))).saves
+            keys = {root.get(self.env[n], self.env[n]) for n in saves if n in self.env}
+            fixed = sum(self.nbytes(k) for k in keys if k not in self.kinds and k not in call_keys)
+        return PlanContext(self.model, tuple(blocks.values()), self.mode, self.registry, fixed,
+                           frozenset(self.env))
+
+    def differentiated(self) -> set[str]:
+        """The stacks (by parameter prefix) whose backward the model's backward runs."""
+        opts = DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(self.graph))
+        ops = self.derived(self.graph, opts).backward.ops
+        return {str(op.attrs.get("params", "blocks")) for op in ops if op.type == "call_backward"}
+
+    def cost(self, step: Step) -> Cost:
+        opdef = self.registry.get_op(step.op.type)
+        if step.how == "alias":
+            return Cost()
+        if opdef.cost is None:
+            return Cost(0.0, float(sum(self.nbytes(k) for k in step.outputs if k)))
+        shapes = [self.types[k][0] if k else () for k in step.inputs]
+        return opdef.cost(shapes, step.attrs)
+
+    def own(self, names: Sequence[str], env: dict[str, str], prefix: str = "") -> list[str]:
+        """Keys for the outputs of an op (``prefix + name``), recorded in ``env``."""
+        keys = []
+        for n in names:
+            if not n:
+                keys.append("")
+                continue
+            key = prefix + n
+            if key in self.types:
+                raise KilnError(f"tensor {key!r} is defined twice in the lowered program", code="E017")
+            env[n] = key
+            keys.append(key)
+        return keys
+
+    def forward_call(self, op: Op, env: dict[str, str]) -> None:
+        callee = self.modules.get(str(op.attrs.get("module")))
+        if callee is None or callee.forward is None:
+            raise KilnError(f"op 'call' names module {op.attrs.get('module')!r}, which is not in the bundle",
+                            code="E002")
+        g = callee.forward
+        if any(o.type in ("call", "call_backward") for o in g.ops):
+            raise KilnError(f"block {callee.name!r} calls another block; nested stacks are not supported")
+        prefix = str(op.attrs.get("params", "blocks"))
+        binds = {**self.binds, **_int_config(callee)}
+        n_layers = parse_dim(op.attrs["n_layers"]).evaluate(self.binds)
+        carry = [env[i] for i in op.inputs]
+        if len(carry) != len(g.inputs) or len(op.outputs) != len(g.outputs):
+            raise KilnError(f"call of {callee.name!r} passes {len(carry)} inputs and names {len(op.outputs)} "
+                            f"outputs; the block takes {len(g.inputs)} and returns {len(g.outputs)}",
+                            code="E003")
+        layers: list[dict[str, str]] = []
+        first: list[int] = []
+        call_inputs = list(carry)
+        for i in range(n_layers):
+            lenv: dict[str, str] = {}
+            for d, key in zip(g.inputs, carry, strict=True):
+                want = evaluate_shape(d.shape, binds)
+                if self.types[key][0] != want:
+                    raise KilnError(f"layer {i} of {callee.name!r}: input {d.name!r} is "
+                                    f"{list(self.types[key][0])} "
+                                    f"but the block declares {list(want)}", code="E004")
+                lenv[d.name] = key
+            for d in g.params:
+                lenv[d.name] = f"{prefix}.{i}.{d.name}"
+                if lenv[d.name] not in self.types:
+                    raise KilnError(f"block parameter {d.name!r} has no ParamSpec in {callee.name!r}",
+                                    code="E002")
+            for bop in g.ops:
+                if i == 0:
+                    first.append(len(self.steps))
+                self.add("forward", bop, [lenv[n] if n else "" for n in bop.inputs],
+                         self.own(bop.outputs, lenv, f"{prefix}.{i}."), binds, i)
+            carry[:len(g.outputs)] = [lenv[d.name] for d in g.outputs]
+            layers.append(lenv)
+        for name, key in zip(op.outputs, carry, strict=False):
+            env[name] = key
+        self.calls[(callee.name, prefix)] = _Call(callee, prefix, layers, binds, call_inputs,
+                                                  carry[:len(g.outputs)], first)
+
+    def stops(self, graph: Graph, prefix: str = "") -> tuple[str, ...]:
+        """Parameters of ``graph`` that get no gradient; a stack trains if any of its parameters does."""
+        return tuple(d.name for d in graph.params if prefix + d.name not in self.trainable
+                     and not any(k.startswith(f"{d.name}.") for k in self.trainable))
+
+    def backward(self, graph: Graph, env: dict[str, str]) -> None:
+        res = self.derived(graph, DeriveBackwardOptions(loss_name="loss", stop_gradients=self.stops(graph)))
+        benv: dict[str, str] = {}
+        for d in res.backward.inputs:
+            if d.name != SEED:
+                raise KilnError(f"the backward of {graph.name!r} is seeded by {d.name!r}; "
+                                "kiln trains on 'loss'")
+            self.declare(SEED, d.shape, d.dtype, self.binds, "input")
+            benv[SEED] = SEED
+        stack_grads: set[str] = set()
+        for op in res.backward.ops:
+            if any(n in stack_grads for n in op.inputs):  # the per-layer gradients are pinned already
+                if op.type != "copy":
+                    raise KilnError(f"op {op.type!r} reads the stacked gradient {op.inputs[0]!r}; only the "
+                                    "runtime may consume it")
+                stack_grads.update(op.outputs)
+                continue
+            ins = [self.read(n, benv, env) for n in op.inputs]
+            if op.type == "call_backward":
+                stack_grads.add(op.outputs[-1])
+                self.backward_call(op, ins, benv)
+            else:
+                self.add("backward", op, ins, self.own(op.outputs, benv), self.binds)
+        for name, g in res.grads.items():
+            if name in self.trainable:
+                self.pin_grad(name, benv[g])
+
+    def read(self, name: str, benv: Mapping[str, str], env: Mapping[str, str]) -> str:
+        if not name:
+            return ""
+        if name.startswith("saved."):
+            return env[name.removeprefix("saved.")]
+        if name in benv:
+            return benv[name]
+        if name in env:  # a parameter, read by its plain name
+            return env[name]
+        raise KilnError(f"the backward reads {name!r}, which nothing defines", code="E002")
+
+    def pin_grad(self, param: str, key: str) -> None:
+        """Make ``key`` the gradient slot of ``param`` (a copy when it is taken or cannot be pinned)."""
+        if key in self.kinds:  # already pinned (another parameter's gradient, an input)
+            new = f"grad.{param}"
+            step = self.steps[-1]
+            self.add(step.phase, Op("copy", (key,), (new,)), [key], self.own([new], {}), self.binds,
+                     step.layer)
+            key = new
+        self.grads[param] = key
+        self.kinds[key] = "gradient"
+
+    def backward_call(self, op: Op, ins: list[str], benv: dict[str, str]) -> None:
+        callee = self.modules[str(op.attrs["module"])]
+        call = self.calls[(callee.name, str(op.attrs.get("params", "blocks")))]
+        g = callee.forward
+        assert g is not None
+        n_out = len(g.outputs)
+        res = self.derived(g, self.block_options(call))
+        bplan = self.plan.block(callee.name)
+        p = str(res.backward.metadata.get("grad_prefix", "d_"))
+        grads = dict(res.grads)
+        fed = {d.name for d in res.backward.inputs}
+        d_chain = list(ins[:n_out])
+        d_rest: list[str | None] = [None] * (len(g.inputs) - n_out)
+        for i in reversed(range(len(call.layers))):
+            lenv = call.layers[i]
+            e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
+            pre = f"{call.prefix}.{i}."
+            rc = _Replay(self, bplan, call, i) if bplan is not None and bplan.recomputed else None
+            if rc is not None and bplan is not None and bplan.whole_block:
+                rc.all()
+            for bop in res.backward.ops:
+                bins = [rc.key(n[6:]) if rc is not None and n.startswith("saved.") and n[6:] in rc.recomputed
+                        else self.read(n, e, lenv) for n in bop.inputs]
+                self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i)
+            for d in g.params:
+                if d.name in grads and lenv[d.name] in self.trainable:
+                    self.pin_grad(lenv[d.name], e[grads[d.name]])
+            new_chain = []
+            for d in g.inputs[:n_out]:
+                if d.name in grads:
+                    new_chain.append(e[grads[d.name]])
+                else:  # no gradient flows into this input: the layer below gets zeros
+                    z = f"{pre}{p}{d.name}:zero"
+                    self.add("backward", Op("zeros", (), (z,), {"shape": list(self.types[lenv[d.name]][0]),
+                                                                "dtype": d.dtype}), [], self.own([z], {}),
+                             call.binds, i)
+                    new_chain.append(z)
+            for k, d in enumerate(g.inputs[n_out:]):
+                if d.name not in grads or not op.outputs[n_out + k]:
+                    continue
+                cur = e[grads[d.name]]
+                if d_rest[k] is not None:  # an input every layer reads: its gradients add up
+                    acc = f"{pre}{p}{d.name}:acc"
+                    self.add("backward", Op("add", (str(d_rest[k]), cur), (acc,)), [str(d_rest[k]), cur],
+                             self.own([acc], {}), call.binds, i)
+                    cur = acc
+                d_rest[k] = cur
+            d_chain = new_chain
+        for name, key in zip(op.outputs[:-1], [*d_chain, *d_rest], strict=True):
+            if name and key is not None:
+                benv[name] = key
+
+    def optimizer_steps(self, opt: Optimizer) -> None:
+        """The global gradient norm, then one ``opt.update_op`` per trained parameter with the attributes
+        of its parameter group; they read one scratch buffer (``optimizer.workspace``)."""
+        trained = [(key, spec, shape) for key, spec, shape, t in self.params if t]
+        if not trained:
+            return
+        self.update = True
+        self.types[WORKSPACE] = ((max(math.prod(s) for _, _, s in trained),), "fp32")
+        grads = tuple(self.grads[k] for k, _, _ in trained)
+        self.add_update(Op("grad_norm", grads, ()), {})
+        for key, spec, _ in trained:
+            ins = (key, self.grads[key], *self.state(key), WORKSPACE)
+            self.add_update(Op(opt.update_op, ins, ()), opt.update_attrs(key, spec.inferred_role()))
+
+    def add_update(self, op: Op, attrs_: Mapping[str, Any]) -> None:
+        opdef = self.registry.get_op(op.type)
+        found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+        kernel = "" if found.backend == "reference" else _kernel_key(found)
+        self.steps.append(Step(len(self.steps), "optimizer", op, None, op.inputs, (), "optimizer",
+                               FrozenDict(opdef.resolve_attrs(attrs_)), kernel=kernel))
+
+
+def _kernel_key(k: Any) -> str:
+    return f"{k.op}@{k.backend}:{k.dtype}"
+
+
+class _Replay:
+    """The recompute ops of one layer, emitted on demand: right before the first backward step that
+    reads one of their outputs (after what they read themselves). Outputs are ``<key>:recompute``."""
+
+    def __init__(self, s: _Scheduler, plan: BlockPlan, call: _Call, layer: int) -> None:
+        self.s, self.plan, self.call, self.layer = s, plan, call, layer
+        self.lenv = call.layers[layer]
+        self.recomputed = set(plan.recomputed)
+        self.unit = {o: u for u, rop in reversed(list(enumerate(plan.ops))) for op in rop.replay
+                     for o in op.outputs if o}
+        self.keys: dict[str, str] = {}
+        self.busy: set[int] = set()
+
+    def key(self, name: str) -> str:
+        if name not in self.keys:
+            u = self.unit.get(name)
+            if u is None:
+                raise KilnError(f"block {self.plan.module!r}: {name!r} is marked recomputed but no recompute "
+                                "op produces it", code="E021")
+            self.emit(u)
+        return self.keys[name]
+
+    def source(self, name: str, local: dict[str, str]) -> str:
+        """The key a replayed op reads: made earlier in its recompute op, recomputed, or the forward's."""
+        if not name:
+            return ""
+        if name in local:
+            return local[name]
+        return self.key(name) if name in self.recomputed else self.lenv[name]
+
+    def all(self) -> None:
+        for u in range(len(self.plan.ops)):
+            if not any(o in self.keys for op in self.plan.ops[u].replay for o in op.outputs if o):
+                self.emit(u)
+
+    def emit(self, u: int) -> None:
+        rop = self.plan.ops[u]
+        if u in self.busy:
+            raise KilnError(f"block {self.plan.module!r}: recompute op {rop.name!r} depends on itself",
+                            code="E022")
+        self.busy.add(u)
+        pre = f"{self.call.prefix}.{self.layer}."
+        local: dict[str, str] = {}
+        for op in rop.replay:
+            ins = [self.source(n, local) for n in op.inputs]
+            outs = self.s.own([f"{o}:recompute" if o else "" for o in op.outputs], {}, pre)
+            self.s.add("backward", op, ins, outs, self.call.binds, self.layer, recompute=True)
+            local.update({o: k for o, k in zip(op.outputs, outs, strict=True) if o})
+        self.keys.update(local)
+        for name in self.plan.shared:
+            if name in local:
+                self.s.shared.setdefault((self.plan.module, self.call.prefix, name), []).append(local[name])
+        self.busy.discard(u)
+
+
+def _logits_graph(graph: Graph) -> Graph:
+    """The forward with its LM-head loss replaced by the logits ``x @ weight^T``, dead ops removed."""
+    ops: list[Op] = []
+    for op in graph.ops:
+        if op.type == "fused_lm_head_loss":
+            if op.attrs.get("softcap") is not None:
+                raise OpError("logits of a soft-capped LM head are not supported yet", op=op.type)
+            ops.append(Op("matmul", op.inputs[:2], ("logits",), {"transpose": "NT"}, loc=op.loc))
+            break
+        ops.append(op)
+    else:
+        raise KilnError(f"graph {graph.name!r} has no fused_lm_head_loss op to turn into logits", code="E002")
+    live, kept = {"logits"}, []
+    for op in reversed(ops):
+        if any(o in live for o in op.outputs):
+            kept.append(op)
+            live.update(i for i in op.inputs if i)
+    return graph.evolve(ops=tuple(reversed(kept)), outputs=())
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes 2 and 3: lifetimes and placement
+
+
+Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
+
+
+def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]],
+                      optimizer: Optimizer | None, float_dtype: np.dtype[Any]) -> tuple[Layout, int]:
+    """The head of every arena of a model: (slot, kind, parameter, shape, offset, bytes) for each
+    weight, then each trained parameter's gradient, then its optimizer state; and the total bytes."""
+    entries = [(k, "weight", k, shape) for k, _, shape, _ in params]
+    entries += [(f"grad.{k}", "gradient", k, shape) for k, _, shape, t in params if t]
+    if optimizer is not None:
+        entries += [(f"{optimizer.name}.{m}.{k}", "optimizer_state", k, shape) for k, _, shape, t in params
+                    if t for m in optimizer.state]
+    out: Layout = []
+    offset = 0
+    for name, kind, param, shape in entries:
+        size = _align(math.prod(shape) * float_dtype.itemsize)
+        out.append((name, kind, param, shape, offset, size))
+        offset += size
+    return out, offset
+
+
+def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]:
+    """The LM-head loss and its backward as one pass, where the backend implements it.
+
+    The forward's last step is the LM-head loss and the backward's first is its backward, seeded by the
+    Program input ``d_loss`` (set before the forward runs): one pass can compute the loss and the
+    gradients without the backward's recompute of the logits. Only when the gradient slots overlap
+    none of the forward step's tensors; a run of the forward alone keeps the plain step.
+    """
+    backend = s.target.backend
+    if FUSED_HEAD not in getattr(backend, "capabilities", ()):
+        return ()
+    kernel = next((k for name in (backend.name, getattr(backend, "kernel_fallback", None)) if name
+                   for k in [s.target.kernels.find(FUSED_HEAD, name, s.target.dtype)] if k is not None), None)
+    steps = {ph: [st for st in s.steps if st.phase == ph and st.how != "alias"]
+             for ph in ("forward", "backward")}
+    if kernel is None or not steps["forward"] or not steps["backward"]:
+        return ()
+    fwd, bwd = steps["forward"][-1], steps["backward"][0]
+    keys = ("ignore_index", "chunk_size", "softcap")
+    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
+            or {k: fwd.attrs.get(k) for k in keys} != {k: bwd.attrs.get(k) for k in keys} \
+            or fwd.attrs.get("softcap") is not None or bwd.inputs[0] != SEED \
+            or tuple(bwd.inputs[1:4]) != tuple(fwd.inputs) or bwd.inputs[4] != fwd.outputs[1] \
+            or bwd.inputs[5] or not all(fwd.outputs):
+        return ()
+
+    def ranges(names: Sequence[str]) -> list[tuple[int, int]]:
+        return [(tensors[k].offset, tensors[k].offset + tensors[k].nbytes) for k in names if k]
+
+    read = ranges([*fwd.inputs, *fwd.outputs, SEED])
+    if any(a < d and c < b for a, b in ranges(bwd.outputs) for c, d in read):
+        return ()
+    return (Fusion(FUSED_HEAD, (fwd.index, bwd.index), (SEED, *fwd.inputs), (*fwd.outputs, *bwd.outputs[:2]),
+                   FrozenDict({"ignore_index": int(fwd.attrs.get("ignore_index", -100))}),
+                   _kernel_key(kernel)),)
+
+
+def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
+    itemsize = {dt: np.dtype(s.np_dtype(dt)).itemsize for dt in {dt for _, dt in s.types.values()}}
+    nbytes = {k: math.prod(shape) * itemsize[dt] for k, (shape, dt) in s.types.items()}
+    steps = s.steps
+    last: dict[str, int] = {}
+    for st in steps:
+        for k in st.inputs:
+            if k:
+                last[k] = st.index
+    shared = {k for keys in s.shared.values() for k in keys}
+    root = {k: k for k in s.kinds}  # tensor -> the tensor whose slot it uses
+    members = {k: [k] for k in s.kinds}
+    birth: dict[str, int] = {}
+    for st in steps:
+        if st.how == "optimizer":
+            continue
+        inplace = s.target.kernels[st.kernel].inplace if st.how == "out" and st.kernel else frozenset()
+        taken: set[str] = set()
+        for k_out, out in enumerate(st.outputs):
+            if not out:
+                continue
+            if out in s.kinds:  # pinned (a gradient): its own slot; a view into it must copy
+                if st.how == "alias":
+                    steps[st.index] = attrs.evolve(st, how="copy")
+                continue
+            r = None
+            if st.how == "alias":
+                r = root[st.inputs[0]]
+            elif st.how == "out" and k_out == 0:
+                for j in sorted(inplace):
+                    cand = root.get(st.inputs[j]) if j < len(st.inputs) and st.inputs[j] else None
+                    if (cand is not None and cand not in s.kinds and cand not in taken
+                            and max(last.get(m, -1) for m in members[cand]) == st.index
+                            and nbytes[cand] == nbytes[out]):
+                        r = cand
+                        break
+            if r is None or out in shared:
+                root[out] = out
+                members[out] = [out]
+                # a reference kernel returns fresh arrays before any output is written, so its outputs
+                # may reuse the inputs that die at this step: they are born half a step later
+                birth[out] = 2 * st.index + (1 if st.how == "kernel" else 0)
+            else:
+                root[out] = r
+                members[r].append(out)
+                taken.add(r)
+
+    # a recomputed slot whose share policy allows it: one buffer for the copies of every layer
+    for keys in s.shared.values():
+        head = root[keys[0]]
+        for k in keys[1:]:
+            r = root[k]
+            if r == head:
+                continue
+            for m in members.pop(r):
+                root[m] = head
+                members[head].append(m)
+            birth[head] = min(birth[head], birth.pop(r))
+
+    # fixed region: weights, gradients and optimizer state (the same for every Program of a model),
+    # then the inputs and the output
+    slots: list[Slot] = []
+    n = len(steps)
+    layout, persistent = persistent_layout(s.params, s.optimizer, s.float_dtype)
+    for name, kind, param, _, offset, size in layout:
+        k = param if kind == "weight" else s.grads[param] if kind == "gradient" else name
+        slots.append(Slot(name, kind, size, offset, 0, n - 1, tuple(members[k])))
+    offset = persistent
+    for k, kind in [*((k, kd) for k, kd in s.kinds.items() if kd == "input"),
+                    *((k, kd) for k, kd in s.kinds.items() if kd == "output")]:
+        size = _align(nbytes[k])
+        slots.append(Slot(k, kind, size, offset, 0, n - 1, tuple(members[k])))
+        offset += size
+    ws = WORKSPACE
+    if ws in s.types and s.update:  # the optimizer's scratch: lives through the optimizer phase
+        first_opt = next(st.index for st in steps if st.phase == "optimizer")
+        root[ws], members[ws], birth[ws], last[ws] = ws, [ws], 2 * first_opt, n - 1
+
+    # packed region: every other slot by lifetime
+    base = offset
+    fwd_end = max((st.index for st in steps if st.phase == "forward"), default=-1)
+    intervals = []
+    for r, ms in members.items():
+        if r in s.kinds or r not in birth:
+            continue
+        end = max([birth[r], *(2 * last[m] for m in ms if m in last)])
+        intervals.append((r, birth[r], end, _align(nbytes[r])))
+    intervals.sort(key=lambda iv: (-iv[3], iv[1], iv[0]))
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
+    top = 0
+    for r, b, e, size in intervals:
+        busy = sorted((o, o + sz) for (b2, e2, o, sz) in placed if b2 <= e and b <= e2)
+        at = 0
+        for lo, hi in busy:
+            if at + size <= lo:
+                break
+            at = max(at, hi)
+        placed.append((b, e, at, size))
+        top = max(top, at + size)
+        kind = "saved" if b // 2 <= fwd_end < e // 2 else "transient"
+        slots.append(Slot(r, kind, size, base + at, b // 2, e // 2, tuple(members[r])))
+    arena = base + top
+    slot_of = {m: sl for sl in slots for m in sl.tensors}
+    tensors = {k: Tensor(k, shape, s.np_dtype(dt), slot_of[k].name, slot_of[k].offset)
+               for k, (shape, dt) in s.types.items() if k in slot_of}
+    return slots, tensors, persistent, arena

@@ -1,0 +1,372 @@
+"""The recompute planner: which forward activations the backward reads saved, which it recomputes.
+
+One plan type, :class:`RecomputePlan`, for every mode:
+
+- ``"none"``: everything the backward reads is saved;
+- ``"dsl"``: from the activation-slot hints of each block (seed 000 §4.1);
+- ``"auto"``: from the forward and backward graphs under a memory budget, minimising the FLOPs
+  recomputed (an exact dynamic program over the block's ops, see :func:`pareto`);
+- ``"block"``: keep only each block's inputs and its persistent slots and replay the whole block
+  when its output gradient arrives (seed 001).
+
+A plugin may replace the planner through the ``kiln_plan_recompute`` hook (first result wins).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from attrs import field
+
+from kiln.core._errors import KilnError, PluginError
+from kiln.core.ir._ir import FrozenDict, Module, Op
+from kiln.core.ops._ops import Cost, OpRegistry
+
+__all__ = [
+    "MODES",
+    "BlockContext",
+    "BlockPlan",
+    "ParetoPoint",
+    "PlanContext",
+    "RecomputeOp",
+    "RecomputePlan",
+    "layout_ops",
+    "pareto",
+    "plan_context",
+    "plan_recompute",
+    "policy_active",
+]
+
+MODES = ("none", "dsl", "auto", "block")
+DEFAULT_AUTO_FRACTION = 0.5
+
+
+def policy_active(policy: str, training: str) -> bool:
+    """Whether a slot with recompute ``policy`` (``always``, ``lora_only``, ``fft_only``, ``never``) is
+    recomputed when training in ``training`` mode (``full`` or ``lora``)."""
+    return policy == "always" or (policy == "lora_only" and training == "lora") or (
+        policy == "fft_only" and training == "full")
+
+
+def _ops(v: Sequence[Op]) -> tuple[Op, ...]:
+    return tuple(v)
+
+
+def _rops(v: Sequence[RecomputeOp]) -> tuple[RecomputeOp, ...]:
+    return tuple(v)
+
+
+def _blocks(v: Sequence[BlockPlan]) -> tuple[BlockPlan, ...]:
+    return tuple(v)
+
+
+def _strs(v: Sequence[str]) -> tuple[str, ...]:
+    return tuple(v)
+
+
+@attrs.frozen
+class RecomputeOp:
+    """One recompute step of a block: the op the plan declares and the forward ops replayed for it.
+
+    ``op_type``, ``inputs``, ``outputs``, ``attrs``, ``policy`` and ``lora_targets`` are what the
+    slots declare (dsl) or the forward op itself (auto, block). ``replay`` is what the runtime runs:
+    forward IR ops of the block with their own kernels and attributes (a ``*_apply_saved`` variant
+    where the plan keeps a statistic such as an rstd), in forward order, so a recomputed tensor is
+    bitwise the forward one. LoRA contributions are forward ops, so they are replayed too.
+    ``rng`` holds, per random op output, the counter state its replay reuses (``seed``, ``offset``).
+    """
+
+    name: str
+    op_type: str | None
+    inputs: tuple[str, ...] = field(converter=_strs)
+    outputs: tuple[str, ...] = field(converter=_strs)
+    attrs: FrozenDict = field(factory=FrozenDict)
+    policy: str = "always"
+    lora_targets: tuple[str, ...] = field(default=(), converter=_strs)
+    replay: tuple[Op, ...] = field(default=(), converter=_ops)
+    rng: FrozenDict = field(factory=FrozenDict)
+    flops: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {', '.join(self.outputs)} = {self.op_type or 'forward'}"
+                f"({', '.join(self.inputs)}) [{self.policy}]")
+
+
+@attrs.frozen
+class BlockPlan:
+    """The plan of one block module, the same for each of its ``layers`` layers.
+
+    ``ops`` are topologically ordered. ``saved`` and ``recomputed`` name the forward tensors (slot
+    names where the block declares slots) that the backward reads saved and recomputed; ``bytes``
+    gives the size of each of them per layer (when the plan was made for a shape). ``gated`` are
+    slots marked recompute whose policy keeps them saved in this training mode. ``shared`` are
+    recomputed slots whose buffer every layer shares (their share policy allows it).
+    ``whole_block``: the whole replay runs when the layer's output gradient arrives (block mode)
+    instead of each op right before its first consumer.
+    """
+
+    module: str
+    layers: int
+    ops: tuple[RecomputeOp, ...] = field(default=(), converter=_rops)
+    saved: tuple[str, ...] = field(default=(), converter=_strs)
+    recomputed: tuple[str, ...] = field(default=(), converter=_strs)
+    bytes: FrozenDict = field(factory=FrozenDict)
+    gated: tuple[str, ...] = field(default=(), converter=_strs)
+    shared: tuple[str, ...] = field(default=(), converter=_strs)
+    whole_block: bool = False
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(int(self.bytes.get(n, 0)) for n in self.saved)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(int(self.bytes.get(n, 0)) for n in self.recomputed)
+
+    @property
+    def extra_flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+    def op(self, name: str) -> RecomputeOp:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KilnError(f"block {self.module!r} has no recompute op {name!r}; "
+                        f"it has {', '.join(o.name for o in self.ops) or 'none'}")
+
+
+@attrs.frozen
+class RecomputePlan:
+    """What the backward recomputes, per block. ``planner`` says who made it.
+
+    ``budget`` is the activation budget in bytes the plan was made for (auto), ``reference_bytes``
+    the saved activations without recompute and ``planned_bytes`` those of this plan, as the
+    planner models them (the Program's ``memory_report()`` has the placed numbers).
+    """
+
+    mode: str = "none"
+    training: str = "full"
+    planner: str = "kiln.core"
+    blocks: tuple[BlockPlan, ...] = field(default=(), converter=_blocks)
+    budget: int | None = None
+    reference_bytes: int | None = None
+    planned_bytes: int | None = None
+    seconds: float = 0.0
+
+    def block(self, module: str) -> BlockPlan | None:
+        return next((b for b in self.blocks if b.module == module), None)
+
+    @property
+    def extra_flops(self) -> float:
+        """FLOPs recomputed per training step (every layer of every block)."""
+        return sum(b.extra_flops * b.layers for b in self.blocks)
+
+    def table(self) -> str:
+        """One row per layer: block, ops replayed, saved and recomputed bytes, extra FLOPs."""
+        rows = [("layer", "block", "ops", "saved", "recomputed", "extra GFLOP")]
+        i = 0
+        for b in self.blocks:
+            for _ in range(b.layers):
+                rows.append((str(i), b.module, str(len(b.ops)), _size(b.saved_bytes),
+                             _size(b.recomputed_bytes), f"{b.extra_flops / 1e9:.3f}"))
+                i += 1
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.rjust(w) if c != 1 else cell.ljust(w)
+                                   for c, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows)
+
+    def pretty(self) -> str:
+        """The plan: per block its ordered ops, then what is saved and what is recomputed."""
+        lines = [f"recompute={self.mode!r} ({self.training} training) by {self.planner}"]
+        if self.budget is not None:
+            lines.append(f"budget {_size(self.budget)}, planned {_size(self.planned_bytes or 0)} of "
+                         f"{_size(self.reference_bytes or 0)} saved without recompute")
+        for b in self.blocks:
+            lines.append(f"block {b.module} x {b.layers}{' (whole block)' if b.whole_block else ''}:")
+            lines += [f"  {op}" for op in b.ops]
+            lines.append(f"  saved: {', '.join(b.saved) or '-'}")
+            lines.append(f"  recomputed: {', '.join(b.recomputed) or '-'}")
+            if b.gated:
+                lines.append(f"  saved by policy in {self.training} training: {', '.join(b.gated)}")
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+@attrs.frozen
+class BlockContext:
+    """A repeated block as the planner sees it, for one shape.
+
+    ``saves``: the forward tensors its backward reads. ``sizes``: bytes of every forward tensor
+    (an alias of its input counts 0). ``costs``: per forward op index, its cost rule's FLOPs and
+    bytes. ``carries``: (output, input) pairs, the block output that becomes the next layer's input.
+    """
+
+    module: Module
+    layers: int
+    saves: tuple[str, ...]
+    sizes: FrozenDict
+    costs: tuple[Cost, ...]
+    carries: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.module.name
+
+
+@attrs.frozen
+class PlanContext:
+    """Everything a planner may look at: the model, its blocks, the training mode and the shape.
+
+    ``fixed_bytes``: saved activations outside the blocks (the model's own graph), which no plan
+    changes. ``globals``: tensor names of the model's graph (what ``@global:`` may name).
+    """
+
+    model: Module
+    blocks: tuple[BlockContext, ...]
+    training: str = "full"
+    registry: OpRegistry | None = None
+    fixed_bytes: int = 0
+    globals: frozenset[str] = frozenset()
+
+    def block(self, name: str) -> BlockContext:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KilnError(f"the model has no repeated block {name!r}")
+
+
+@attrs.frozen
+class ParetoPoint:
+    """One auto plan: saved activation bytes of the whole model and FLOPs recomputed per step."""
+
+    bytes: int
+    flops: float
+    cost_bytes: float
+    replayed: tuple[frozenset[int], ...]  # per block of the context, the forward op indices replayed
+    matmul: bool  # whether it replays a matmul-class op
+    peak: int | None = None  # the placed activation peak, when measured
+    #: per block, (forward op index, replay variant) pairs: the op is rebuilt in part by that entry of
+    #: ``kiln.core.plan._recompute.replay_variants`` from the rest of its outputs, which are kept
+    variants: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+
+def plan_context(module_ir: Any, *, bindings: Mapping[str, int], mode: str = "full",
+                 modules: Mapping[str, Module] | None = None, dtype: str = "float32",
+                 registry: OpRegistry | None = None) -> PlanContext:
+    """The :class:`PlanContext` ``compile`` gives the planner for this model, shape and training mode."""
+    from kiln.core.plan._program import _context
+
+    return _context(module_ir, bindings=bindings, mode=mode, modules=modules, dtype=dtype, registry=registry)
+
+
+def layout_ops(block: Module, training: str = "full", *, globals: frozenset[str] = frozenset(),
+               ) -> tuple[tuple[RecomputeOp, ...], tuple[str, ...]]:
+    """The dsl plan of one block from its activation layout alone (seed 000 §4.1).
+
+    Returns the active recompute ops in topological order and the slots saved by policy. Raises
+    E021 (a slot that cannot be derived), E022 (a cycle), E017 (two producers of one slot) and
+    E013 (a recompute group whose members disagree), naming the slots.
+    """
+    from kiln.core.plan._recompute import dsl_layout
+
+    ops, gated = dsl_layout(block, training, globals)
+    return tuple(ops), tuple(gated)
+
+
+def pareto(context: PlanContext, *, allow_matmul: bool | None = None,
+           measure: Callable[[RecomputePlan], int] | None = None) -> list[ParetoPoint]:
+    """Every auto plan that no other plan beats on both saved bytes and recomputed FLOPs.
+
+    Sorted by bytes, largest first (the no-recompute plan). ``allow_matmul``: None tries without
+    replaying matmul-class ops first and adds the points that need them below the smallest budget
+    reachable without; True or False forces either. With ``measure`` (plan -> placed activation
+    peak), each point gets its ``peak`` and only the points some budget selects are returned: their
+    peaks fall as their budgets do.
+    """
+    from kiln.core.plan._recompute_auto import model_front, selectable, to_plan
+
+    points = model_front(context, allow_matmul)
+    if measure is None:
+        return points
+    return selectable([attrs.evolve(p, peak=int(measure(to_plan(context, p)))) for p in points])
+
+
+def _resolve_budget(budget: float | None, reference: int) -> int:
+    if budget is None:
+        return int(DEFAULT_AUTO_FRACTION * reference)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 or math.isnan(budget):
+        raise KilnError(f"recompute budget {budget!r} is not valid; expected bytes (an int > 0) or a "
+                        "fraction of the no-recompute saved activations (a float in (0, 1])")
+    if isinstance(budget, float):
+        if budget > 1:
+            raise KilnError(f"recompute budget {budget} is a float above 1; give a fraction in (0, 1] "
+                            "or bytes as an int")
+        return int(budget * reference)
+    return int(budget)
+
+
+def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | None = None,
+                   options: Mapping[str, Any] | None = None) -> RecomputePlan:
+    """The recompute plan for ``context``: a plugin's (``kiln_plan_recompute``) or kiln's own.
+
+    ``budget`` (auto mode): the saved activations allowed (what the forward keeps for the backward),
+    in bytes (int) or as a fraction of the no-recompute ones (float); default 0.5. ``options``
+    (passed on to plugins as well):
+    ``allow_matmul`` (None: only when the budget forces it) and ``measure``, a function from a plan
+    to its placed activation peak (saved plus transient activation bytes; ``compile`` passes one),
+    with which a plan peaking above one that keeps more is passed over, so that the peak never rises
+    as the budget falls.
+    """
+    if mode not in MODES:
+        raise KilnError(f"recompute={mode!r} is not valid; expected one of {', '.join(map(repr, MODES))}")
+    t0 = time.perf_counter()
+    opts = dict(options or {})
+    plan = _from_plugins(context, mode, budget, opts)
+    if plan is None:
+        from kiln.core.plan import _recompute, _recompute_auto
+
+        if mode == "auto":
+            plan = _recompute_auto.plan_auto(context, budget, opts, _resolve_budget)
+        else:
+            plan = _recompute.plan_modes(context, mode)
+        plan = attrs.evolve(plan, seconds=time.perf_counter() - t0)
+    return plan
+
+
+def _from_plugins(context: PlanContext, mode: str, budget: float | None,
+                  options: dict[str, Any]) -> RecomputePlan | None:
+    """The ``kiln_plan_recompute`` result (pluggy's first non-None, wrappers included); checked here
+    so that a bad plan names the plugin that made it."""
+    from kiln.core.plugins._session import plugin_session
+
+    session = plugin_session()
+    result = session.hook.kiln_plan_recompute(
+        graph=context.model.forward, layout=context, mode=mode, training=context.training, budget=budget,
+        options=options)
+    if result is None:
+        return None
+    info = session.answered_by("kiln_plan_recompute", result)
+    who = info.describe() if info else "a kiln_plan_recompute hook wrapper"
+    name, dist = (info.name, info.distribution) if info else (None, None)
+    if not isinstance(result, RecomputePlan):
+        raise PluginError(f"{who} returned {type(result).__name__} from kiln_plan_recompute; expected a "
+                          "kiln.core.plan.recompute.RecomputePlan or None", plugin=name, distribution=dist)
+    from kiln.core.plan._recompute import check_plan
+
+    try:
+        check_plan(result, context)
+    except KilnError as exc:
+        raise PluginError(f"{who} returned an invalid recompute plan: {exc.message}",
+                          plugin=name, distribution=dist, code=exc.code) from None
+    if result.planner == "kiln.core" and name is not None:
+        result = attrs.evolve(result, planner=name)
+    return result

@@ -1,0 +1,303 @@
+"""A trainable model: Programs per shape binding (cached), one arena, weights and optimizer state.
+
+``Model`` talks to its backend only through the Backend / Executable protocols
+(:mod:`kiln.core.runtime._backend`): it allocates and grows the arena, copies parameters and
+optimizer state to and from the host, and writes inputs and reads outputs of a Program by name. Any
+registered backend trains a model the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.core._errors import KilnError
+from kiln.core.ir._ir import Bundle, Module, ParamSpec
+from kiln.core.plan._optim import Optimizer
+from kiln.core.plan._passes import run_passes
+from kiln.core.plan._program import (
+    DTYPES,
+    PHASES,
+    Program,
+    Target,
+    _as_bundle,
+    _choice,
+    _int_config,
+    _resolve,
+    compile,
+    model_params,
+    persistent_layout,
+)
+
+IGNORE_INDEX = -100
+INITS = ("normal", "uniform", "ones", "zeros")
+
+
+def init_value(spec: ParamSpec, shape: tuple[int, ...], rng: np.random.Generator, default_std: float,
+               name: str | None = None) -> np.ndarray:
+    """A parameter's initial value from its ``init`` spec: ``normal`` (``std``, default
+    ``default_std``), ``uniform`` (``low``, ``high``), ``ones`` or ``zeros``; float64."""
+    kind = spec.init.get("kind", "normal")
+    if kind == "normal":
+        return rng.standard_normal(shape) * float(spec.init.get("std", default_std))
+    if kind == "uniform":
+        return rng.uniform(float(spec.init["low"]), float(spec.init["high"]), shape)
+    if kind in ("ones", "zeros"):
+        return np.full(shape, 1.0 if kind == "ones" else 0.0)
+    raise KilnError(f"parameter {name or spec.name!r}: unknown init kind {kind!r}; expected "
+                    f"{', '.join(INITS)}")
+
+
+class Model:
+    """A model compiled from IR, its weights and its optimizer state, all in one arena on ``backend``.
+
+    ``labels[b, t]`` is the target of position ``t`` (already shifted: the next token), or -100 to
+    ignore the position. The loss is the mean over the positions not ignored. ``recompute`` and
+    ``recompute_budget`` choose the recompute plan of every training Program (see ``compile``).
+    ``optimizer``: an :class:`~kiln.core.Optimizer` (default ``AdamW()``), a registered name or a dict
+    ``{"name": ..., **settings}``. ``init``: ``"random"`` (each parameter's init spec, from ``seed``)
+    or ``None`` (zeros: weights are loaded afterwards, e.g. with :meth:`load_state_dict`).
+    ``passes``: graph passes every Program runs first (see ``compile``).
+    """
+
+    def __init__(self, module_ir: Bundle | Module, *, seed: int = 0, dtype: str = "float32",
+                 optimizer: Any = None, mode: str = "full", backend: Any = "numpy",
+                 modules: Mapping[str, Module] | None = None, recompute: str = "none",
+                 recompute_budget: float | None = None, init: str | None = "random",
+                 passes: Sequence[Any] = ()) -> None:
+        from kiln.core.plan.recompute import MODES
+
+        _choice("dtype", dtype, DTYPES)
+        _choice("recompute", recompute, MODES)
+        if init not in ("random", None):
+            raise KilnError(f"init={init!r} is not valid; expected 'random' or None")
+        self.ir, self.modules, self.dtype, self.mode = module_ir, modules, dtype, mode
+        self.passes = tuple(passes)
+        self.recompute, self.recompute_budget = recompute, recompute_budget
+        self.target = Target.of(backend, "adamw" if optimizer is None else optimizer, dtype)
+        self.optimizer: Optimizer = self.target.optimizer  # type: ignore[assignment]
+        self.backend = self.target.backend
+        self.backend_name: str = self.backend.name
+        self.step = 0
+        if self.passes:  # the parameters are those of the IR the passes make (as compile runs them)
+            from kiln.core.plugins._session import get_registry
+
+            module_ir, modules = run_passes(_as_bundle(module_ir, modules), self.passes,
+                                            get_registry("graph_passes"))[0], None
+        self._model, mods = _resolve(module_ir, modules)
+        self._params = model_params(self._model, mods, _int_config(self._model), mode)
+        self._layout, self._persistent = persistent_layout(self._params, self.optimizer, np.dtype(dtype))
+        self._where = {name: (offset, shape) for name, _, _, shape, offset, _ in self._layout}
+        self._programs: dict[tuple[str, int, int], Program] = {}
+        self._bound: dict[tuple[str, int, int], Any] = {}
+        self._last: tuple[str, int, int] | None = None  # the last training Program run
+        self._arena = self.backend.allocate(self._persistent)
+        self._tied = {spec.name: spec.tied_to for spec in self._model.params if spec.tied_to is not None}
+        if init == "random":
+            self.init_parameters(seed)
+
+    @classmethod
+    def from_ir(cls, module_ir: Bundle | Module, **options: Any) -> Model:
+        """A Model from a Bundle (its entry is the model) or a model Module; options as for ``Model``."""
+        return cls(module_ir, **options)
+
+    # -- weights and state
+
+    def init_parameters(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter from its init spec, drawing from one generator seeded ``seed``."""
+        rng = np.random.default_rng(seed)
+        default_std = float(self._model.config.get("initializer_range", 0.02))
+        for key, spec, shape, _ in self._params:
+            self._write(key, init_value(spec, shape, rng, default_std, key))
+
+    def _read(self, name: str) -> np.ndarray:
+        offset, shape = self._where[name]
+        out: np.ndarray = self.backend.read(self._arena, offset, shape, self.dtype)
+        return out
+
+    def _write(self, name: str, value: Any) -> None:
+        offset, shape = self._where[name]
+        self.backend.write(self._arena, offset, np.asarray(value, dtype=self.dtype).reshape(shape))
+
+    @property
+    def trainable(self) -> dict[str, bool]:
+        """Per stored parameter, whether this model's training mode updates it."""
+        return {key: t for key, _, _, t in self._params}
+
+    def parameter_specs(self) -> dict[str, tuple[ParamSpec, tuple[int, ...]]]:
+        """Per stored parameter, its IR spec and concrete shape."""
+        return {key: (spec, shape) for key, spec, shape, _ in self._params}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Host copies of every stored parameter (tied ones appear once, under the name they are tied to)."""
+        return {key: self._read(key) for key, *_ in self._params}
+
+    def parameter(self, name: str) -> np.ndarray:
+        """A host copy of one stored parameter."""
+        self._check_name(name)
+        return self._read(name)
+
+    def host_view(self, name: str) -> np.ndarray | None:
+        """A writable view of a stored parameter or optimizer state tensor when the backend's memory is
+        host memory (the ``numpy`` backend: loading a checkpoint straight into it needs no copy), else
+        None. Views die with the arena: take a new one after a Program that grows it was compiled."""
+        view = getattr(self.backend, "view", None)
+        if view is None or getattr(self.backend, "device", None) != "cpu" or name not in self._where:
+            return None
+        offset, shape = self._where[name]
+        out: np.ndarray = view(self._arena, offset, shape, self.dtype)
+        return out
+
+    def _check_name(self, name: str) -> tuple[int, ...]:
+        known = {key: shape for key, _, shape, _ in self._params}
+        if name in self._tied:
+            raise KilnError(f"parameter {name!r} is tied to {self._tied[name]!r}; set that one instead")
+        if name not in known:
+            raise KilnError(f"the model has no parameter {name!r}",
+                            hint=f"parameters are named like {', '.join(list(known)[:4])}, ...")
+        return known[name]
+
+    def set_parameters(self, values: Mapping[str, Any]) -> None:
+        """Copy arrays into the named parameters (shapes must match)."""
+        for name, value in values.items():
+            shape = self._check_name(name)
+            arr = np.asarray(value)
+            if arr.shape != shape:
+                raise KilnError(f"parameter {name!r} is {list(shape)}, the value given is {list(arr.shape)}")
+            self._write(name, arr)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the parameters and of the optimizer state: ``{"parameters": {name: array},
+        "optimizer": {"name": ..., "step": n, <state>: {name: array}}}`` with the optimizer's state
+        names (AdamW: ``exp_avg``, ``exp_avg_sq`` as in torch)."""
+        opt = self.optimizer
+        trained = [key for key, _, _, t in self._params if t]
+        state: dict[str, Any] = {"name": opt.name, "step": self.step}
+        for s in opt.state:
+            state[s] = {k: self._read(f"{opt.name}.{s}.{k}") for k in trained}
+        return {"parameters": self.parameters(), "optimizer": state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (parameters, optimizer step and state)."""
+        self.set_parameters(state["parameters"])
+        opt = dict(state.get("optimizer", {}))
+        if opt.get("name", self.optimizer.name) != self.optimizer.name:
+            raise KilnError(f"the state is of optimizer {opt['name']!r}; this model trains with "
+                            f"{self.optimizer.name!r}")
+        self.step = int(opt.get("step", 0))
+        unknown = sorted(set(opt) - {"name", "step", *self.optimizer.state})
+        if unknown:
+            raise KilnError(f"optimizer state {', '.join(unknown)} is not state of {self.optimizer.name!r} "
+                            f"(it keeps {', '.join(self.optimizer.state) or 'none'})")
+        for s in self.optimizer.state:
+            for k, v in opt.get(s, {}).items():
+                name = f"{self.optimizer.name}.{s}.{k}"
+                if name not in self._where:
+                    raise KilnError(f"optimizer state {s!r} names {k!r}, which is not a trained parameter")
+                self._write(name, v)
+
+    # -- programs
+
+    def program(self, batch: int, seq: int, task: str = "train") -> Program:
+        """The Program for this shape (compiled once, then cached)."""
+        return self._bind(task, batch, seq)[0]
+
+    def _bind(self, task: str, batch: int, seq: int) -> tuple[Program, Any]:
+        key = (task, int(batch), int(seq))
+        if key not in self._programs:
+            prog = compile(self.ir, bindings={"B": key[1], "T": key[2]}, backend=self.backend, mode=self.mode,
+                           modules=self.modules, task=task, optimizer=self.optimizer, dtype=self.dtype,
+                           recompute=self.recompute, recompute_budget=self.recompute_budget,
+                           kernels=self.target.kernels, passes=self.passes)
+            assert prog.persistent_bytes == self._persistent
+            self._programs[key] = prog
+        prog = self._programs[key]
+        if prog.arena_bytes > self._arena.nbytes:  # grow: the persistent head moves to the new arena
+            arena = self.backend.allocate(prog.arena_bytes)
+            self.backend.copy(self._arena, arena, self._persistent)
+            self._arena = arena
+            self._bound.clear()
+        if key not in self._bound:
+            ex = self.backend.compile(prog, self._arena, self.target.kernels)
+            if "position_ids" in prog.tensors:  # the same for every batch of this shape
+                shape = prog.tensors["position_ids"].shape
+                ex.write("position_ids", np.broadcast_to(np.arange(key[2]), shape))
+            self._bound[key] = ex
+        if task == "train":
+            self._last = key
+        return prog, self._bound[key]
+
+    def _feed(self, task: str, input_ids: Any, labels: Any = None) -> tuple[Any, int]:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise KilnError("input_ids must be an integer array [batch, seq], "
+                            f"found {ids.dtype} {list(ids.shape)}")
+        prog, ex = self._bind(task, *ids.shape)
+        ex.write("token_ids", ids)
+        count = 0
+        if labels is not None:
+            lab = np.asarray(labels)
+            if lab.shape != ids.shape or not np.issubdtype(lab.dtype, np.integer):
+                raise KilnError(f"labels must be an integer array shaped like input_ids {list(ids.shape)}, "
+                                f"found {lab.dtype} {list(lab.shape)}")
+            if "targets" in prog.tensors:
+                ex.write("targets", lab)
+            mask = lab != IGNORE_INDEX
+            count = int(np.count_nonzero(mask))
+            if "d_loss" in prog.tensors:  # d(mean loss)/d(per-token loss) = mask / count
+                dt = np.dtype(prog.tensors["d_loss"].dtype)
+                ex.write("d_loss", mask.astype(dt) / dt.type(max(count, 1)))
+        return ex, count
+
+    def _loss(self, ex: Any, count: int) -> float:
+        return float(np.sum(ex.read("loss"))) / count if count else 0.0
+
+    # -- running
+
+    def logits(self, input_ids: Any) -> np.ndarray:
+        """Logits ``[batch, seq, vocab]`` (the LM-head loss replaced by a matmul with its weight), in
+        eval mode: dropout is off."""
+        ex, _ = self._feed("logits", input_ids)
+        ex.run(("forward",), hyper={})
+        out: np.ndarray = ex.read("logits").reshape(*np.shape(input_ids), -1)
+        return out
+
+    def loss(self, input_ids: Any, labels: Any, *, training: bool = False) -> float:
+        """The mean loss over the positions not ignored (forward only). In eval mode, as HF's
+        ``model.eval()``: dropout is off. ``training=True`` gives the loss that :meth:`loss_and_grads`
+        differentiates, dropout on, with the same masks."""
+        ex, count = self._feed("train" if training else "eval", input_ids, labels)
+        ex.run(("forward",), hyper={"step": self.step + 1})
+        return self._loss(ex, count)
+
+    def loss_and_grads(self, input_ids: Any, labels: Any) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss and a copy of the gradient of every trained parameter."""
+        ex, count = self._feed("train", input_ids, labels)
+        ex.run(("forward", "backward", "grad_sync"), hyper={"step": self.step + 1})
+        prog = ex.program
+        return self._loss(ex, count), {p.name: ex.read(p.grad) for p in prog.params if p.grad}
+
+    def train_step(self, batch: Mapping[str, Any]) -> dict[str, float]:
+        """Forward, backward, gradient synchronisation and one optimizer update.
+
+        Returns loss, grad_norm (before clipping), lr, step and tokens (positions not ignored)."""
+        ex, count = self._feed("train", batch["input_ids"], batch["labels"])
+        self.step += 1
+        stats = ex.run(PHASES, hyper={"step": self.step, "optimizer": self.optimizer})
+        return {"loss": self._loss(ex, count), "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                "step": float(self.step), "tokens": float(count)}
+
+    def memory_report(self, batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
+        """The planned memory of the training Program for (batch, seq), by default the last one run."""
+        if batch is not None and seq is not None:
+            return self.program(batch, seq).memory_report()
+        if self._last is None:
+            raise KilnError("no Program has run yet; pass batch and seq")
+        return self._programs[self._last].memory_report()
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena the backend allocated (the largest planned peak so far)."""
+        return int(self._arena.nbytes)
