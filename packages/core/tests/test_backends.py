@@ -102,3 +102,27 @@ def test_a_kernel_registered_twice_names_both_owners() -> None:
         table.register_kernel("matmul", "cuda", "float16", lambda *a: None, plugin="second")
     assert table.find("matmul", "cuda", "float16") is not None
     assert table.find("matmul", "cuda", "bf16") is None
+
+
+def test_a_backend_declares_the_float_types_it_computes_in() -> None:
+    half = HostBackend("half", None, reference=True)
+    half.dtypes = ("bfloat16",)
+    program = compile(tiny_qwen3_bundle(), bindings=BINDS, backend=half, dtype="bfloat16")
+    f32 = compile(tiny_qwen3_bundle(), bindings=BINDS, backend=half.__class__("f", None, True))
+    assert program.tensors["embedding"].dtype == "bfloat16" and program.tensors["token_ids"].dtype == "int32"
+    assert program.tensors["embedding"].nbytes * 2 == f32.tensors["embedding"].nbytes
+    assert program.persistent_bytes < f32.persistent_bytes
+    with pytest.raises(KilnError, match=r"dtype='float32' is not valid for backend 'half'; expected one of "
+                                        r"'bfloat16'"):
+        compile(tiny_qwen3_bundle(), bindings=BINDS, backend=half)
+
+
+def test_a_model_is_built_from_ir_with_an_init_policy_or_weights() -> None:
+    drawn = Model.from_ir(tiny_qwen3_bundle(), seed=3)
+    zeros = Model.from_ir(tiny_qwen3_bundle(), init=None)
+    assert all(not v.any() for v in zeros.parameters().values())
+    given = Model.from_ir(tiny_qwen3_bundle(), init=None, weights=drawn.parameters())
+    assert all(np.array_equal(given.parameter(k), v) for k, v in drawn.parameters().items())
+    assert given.trainable == {k: True for k in drawn.parameters()}
+    with pytest.raises(KilnError, match="init='xavier' is not valid"):
+        Model.from_ir(tiny_qwen3_bundle(), init="xavier")

@@ -675,6 +675,9 @@ def test_kiln_plan_prints_a_per_layer_table_and_the_peak(tmp_path: Path,
     for key in ("weights", "gradients", "optimizer_state", "saved_activations", "transient", "peak"):
         assert key in out
     assert f"{report['peak'] / 1024:.2f} KiB" in out
+    table = program.memory_table().splitlines()  # what kiln plan prints
+    assert [row.split()[0] for row in table] == [k for k in report if k != "slots"]
+    assert all(f"  {row}\n" in out for row in table)
     assert main(["plan", str(path), "--recompute", "auto", "--budget", "40%", "--batch", "2", "--seq", "8",
                  "--pareto"]) == 0
     out = capsys.readouterr().out

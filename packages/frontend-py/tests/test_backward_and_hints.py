@@ -15,6 +15,7 @@ from kiln.dsl import (
     Activation,
     Array,
     B,
+    DSLError,
     Param,
     T,
     Tensor,
@@ -250,3 +251,30 @@ def test_recompute_attrs_the_op_does_not_take_are_a_compile_error() -> None:
     assert "test_backward_and_hints.py" in str(err.value.location)
     y = build_bundle(slots(transpose="NT", _matmul_op="y"), {}).module("AttrsBlock").activations.get("y")
     assert dict(y.recompute_attrs) == {"transpose": "NT", "_matmul_op": "y"}
+
+
+def test_param_roles_reach_the_ir_and_bad_ones_are_diagnosed() -> None:
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    bundle = build_bundle(Qwen3Model, {"vocab_size": 64, "d_model": 32, "n_layers": 1, "num_query_heads": 4,
+                                       "num_kv_heads": 2, "head_size": 8, "d_ff": 64, "max_seq": 16})
+    specs = {p.name: p for m in bundle.modules for p in m.params}
+    assert specs["embedding"].role == "embedding"
+    assert specs["ln1_weight"].role is None and specs["ln1_weight"].inferred_role() == "norm"
+
+    @model
+    class Gained:
+        def __init__(self, vocab_size: int = 16, d_model: int = 8):
+            self.vocab_size, self.d_model = vocab_size, d_model
+
+        embedding = Param(Tensor["vocab_size", "d_model", F], role="gain")
+
+        @forward
+        def forward(self, token_ids: Tensor["B", "T", "int32"],
+                    targets: Tensor["B", "T", "int32"]) -> Tensor["B * T", F]:
+            with graph() as g:
+                x = g.embedding(token_ids, "embedding")
+                return g.fused_lm_head_loss(g.view(x, shape=[B * T, "d_model"]), "embedding", targets)
+
+    with pytest.raises(DSLError, match="role 'gain' is not one of weight, bias, norm, embedding, adapter"):
+        build_bundle(Gained, {})

@@ -14,7 +14,7 @@ import pytest
 
 from kiln.core import op_registry
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward
-from kiln.core.ir import ActivationSlot, Bundle, Module, from_json, parse_dim, thaw, verify
+from kiln.core.ir import ActivationSlot, Bundle, Module, dim_bindings, from_json, parse_dim, thaw, verify
 from kiln.dsl import (
     Activation,
     Array,
@@ -169,7 +169,7 @@ class ToyModel:
 
 def dims_are_config_entries(module: Module) -> None:
     """The contract: every symbol of a shape or dim/dims attr, but B and T, is an int config entry."""
-    ints = {k for k, v in module.config.items() if isinstance(v, int) and not isinstance(v, bool)}
+    ints = set(dim_bindings(module.config))
     registry = op_registry()
     shapes = [d.shape for g in (module.forward,) for d in (*g.inputs, *g.params, *g.outputs)]
     shapes += [p.shape for p in module.params] + [s.shape for s in module.activations.slots]
@@ -220,7 +220,7 @@ def test_model_structure_and_backward() -> None:
     loss_op = mdl.forward.ops[-1]
     assert loss_op.type == "fused_lm_head_loss" and loss_op.inputs[1] == "embedding"
     for m in bundle.modules:
-        ints = {k for k, v in m.config.items() if isinstance(v, int) and not isinstance(v, bool)}
+        ints = set(dim_bindings(m.config))
         decls = [*m.forward.inputs, *m.forward.params, *m.forward.outputs]
         assert all(d.free_symbols() - {"B", "T"} <= ints for x in decls for d in x.shape)
         assert all(s.free_symbols() - {"B", "T"} <= ints for x in m.activations.slots for s in x.shape)

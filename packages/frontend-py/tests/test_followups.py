@@ -11,7 +11,7 @@ import pytest
 
 from kiln.core import Model
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward
-from kiln.core.ir import LoraTarget, Module, from_json, parse_dim, verify
+from kiln.core.ir import LoraTarget, Module, dim_bindings, from_json, parse_dim, verify
 from kiln.dsl import (
     Array,
     B,
@@ -51,10 +51,6 @@ def _stdlib_names(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setitem(_REGISTRY[kind], name, getattr(mod, name))
 
 
-def _ints(config: Mapping[str, Any]) -> dict[str, int]:
-    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
 def _batch(vocab: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return rng.integers(0, vocab, (2, 5)), rng.integers(0, vocab, (2, 5))
@@ -68,7 +64,7 @@ def test_stdlib_lora_targets_pair_with_the_fused_hf_sources() -> None:
     bundle = build_bundle("Qwen3MoEModel", {**TINY, "head_size": 4, "mlp_only_layers": [0]})
     found: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
     for blk in bundle.modules[1:]:
-        binds = _ints(blk.config)
+        binds = dim_bindings(blk.config)
         for p in blk.params:
             if not p.lora_targets:
                 continue
@@ -304,7 +300,7 @@ def test_backward_types_call_outputs_in_the_callers_symbols() -> None:
     assert "S" not in lm.config
     mods = {m.name: m for m in bundle.modules}
     backward = derive_backward(lm.forward, DeriveBackwardOptions(), modules=mods).backward
-    bound = {*_ints(lm.config), "B", "T"}
+    bound = {*dim_bindings(lm.config), "B", "T"}
     shaped = [op for op in backward.ops if "shape" in op.attrs]
     assert {op.type for op in shaped} >= {"view", "zeros"}  # the unused side output gets zeros
     for op in shaped:

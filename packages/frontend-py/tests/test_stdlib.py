@@ -12,7 +12,7 @@ import pytest
 from kiln.core import Model
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward, verify_backward
 from kiln.core.autodiff._interp import run_graph
-from kiln.core.ir import Bundle, Module, evaluate_shape, from_json, verify
+from kiln.core.ir import Bundle, Module, dim_bindings, evaluate_shape, from_json, verify
 from kiln.dsl import (
     B,
     DSLError,
@@ -70,10 +70,6 @@ def _modules(bundle: Bundle) -> dict[str, Module]:
     return {m.name: m for m in bundle.modules}
 
 
-def _ints(config: Any) -> dict[str, int]:
-    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
 # --- compilation ---------------------------------------------------------------------------------
 
 
@@ -90,7 +86,7 @@ def test_model_compiles_verifies_and_differentiates(case: str) -> None:
     assert [(d.name, d.dtype) for d in model.forward.outputs] == [("loss", "fp32")]
     assert model.forward.ops[-1].type == "fused_lm_head_loss"
     for m in bundle.modules:  # every symbol of every shape is an int of the module's config
-        names = {*_ints(m.config), "B", "T"}
+        names = {*dim_bindings(m.config), "B", "T"}
         for d in (*m.forward.inputs, *m.forward.params, *m.forward.outputs):
             assert {s for dim in d.shape for s in dim.free_symbols()} <= names, d
     result = derive_backward(model.forward, DeriveBackwardOptions(), modules=_modules(bundle))
@@ -190,7 +186,7 @@ def test_swiglu_mlp_numerics() -> None:
     rng = np.random.default_rng(0)
     x, up, down = rng.standard_normal((2, 3, 8)), rng.standard_normal((24, 8)), rng.standard_normal((8, 12))
     env = run_graph(module.forward, {"x": x, "up_weight": up, "down_weight": down}, float_dtype=np.float64,
-                    bindings=_ints(module.config))
+                    bindings=dim_bindings(module.config))
     gate, value = x @ up[:12].T, x @ up[12:].T
     want = (gate / (1 + np.exp(-gate)) * value) @ down.T
     np.testing.assert_allclose(env[module.forward.outputs[0].name], want, rtol=1e-12)
@@ -300,7 +296,7 @@ def test_qk_norm_and_qkv_bias_switch_params_and_slots() -> None:
 def test_block_gradients_match_finite_differences(name: str, config: dict[str, Any]) -> None:
     small = {"d_model": 8, "num_query_heads": 2, "num_kv_heads": 1, "head_size": 4, "max_seq": 8}
     block = build_bundle(name, {**small, **config}).module(name)
-    errors = verify_backward(block.forward, bindings={**_ints(block.config), "B": 1, "T": 3},
+    errors = verify_backward(block.forward, bindings={**dim_bindings(block.config), "B": 1, "T": 3},
                              loss_name=block.forward.outputs[0].name)
     assert max(errors.values()) < 1e-6, errors
 
@@ -486,7 +482,7 @@ def _run_loss(bundle: Bundle, values: dict[str, np.ndarray], ids: np.ndarray,
     model = bundle.module(bundle.entry)
     feed = {**values, "token_ids": ids.astype(np.int32), "targets": targets.astype(np.int32),
             "position_ids": np.arange(ids.shape[1], dtype=np.int32)}
-    env = run_graph(model.forward, feed, modules=_modules(bundle), bindings=_ints(model.config),
+    env = run_graph(model.forward, feed, modules=_modules(bundle), bindings=dim_bindings(model.config),
                     float_dtype=np.float64)
     return env["loss"]
 
@@ -593,7 +589,7 @@ def test_hyper_connection_block_matches_numpy_mhc() -> None:
     n, iters = 3, 4
     block = _block({"head_size": 4, "n_streams": n, "hc_sinkhorn_iters": iters, "rope_theta": 100.0},
                    "HyperConnectionBlock")
-    bindings = {**_ints(block.config), "B": 2, "T": 5}
+    bindings = {**dim_bindings(block.config), "B": 2, "T": 5}
     rng = np.random.default_rng(5)
     values = {d.name: 0.3 * rng.standard_normal(evaluate_shape(d.shape, bindings))
               for d in block.forward.params}

@@ -265,3 +265,16 @@ def test_broken_files_name_the_file(bundle: Bundle, tmp_path: Path) -> None:
     weights.write_bytes(b"\xff" * 16)
     with pytest.raises(AdapterError, match="not a safetensors file"):
         PeftModel.from_pretrained(Model.from_ir(bundle), tmp_path)
+
+
+def test_compile_runs_the_lora_pass_and_trains_what_peft_would(bundle: Bundle) -> None:
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    program = compile(bundle, bindings={"B": 2, "T": 8}, mode="lora", passes=[("lora", config)])
+    assert (program.passes[0].stage, program.passes[0].name) == ("adapt", "lora")
+    trained = {p.name for p in program.params if p.trainable}
+    pm = get_peft_model(Model.from_ir(bundle, seed=0), LoraConfig(**config), seed=1)
+    assert trained and trained == {k for k, t in pm.trainable.items() if t}
+    assert all(k.endswith(("lora_A", "lora_B")) for k in trained)
+    model = Model.from_ir(bundle, mode="lora", passes=[("lora", config)], weights=pm.parameters())
+    ids, labels = batch()
+    assert model.loss_and_grads(ids, labels)[0] == pm.loss_and_grads(ids, labels)[0]

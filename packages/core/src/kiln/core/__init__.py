@@ -14,6 +14,7 @@ from kiln.core._errors import (
 )
 from kiln.core.autodiff._gradcheck import GradReport, check_op
 from kiln.core.backends.numpy._backend import NumpyBackend, counter_offset
+from kiln.core.ir._condition import ConditionError
 from kiln.core.ir._ir import TensorType
 from kiln.core.ops import (
     AttrSpec,
@@ -64,6 +65,7 @@ __all__ = [
     "Backend",
     "BackwardContext",
     "Buffer",
+    "ConditionError",
     "Cost",
     "Diagnostic",
     "DimError",

@@ -15,9 +15,11 @@ from typing import Any
 
 from kiln.core import Diagnostic, KilnError, TensorType, op_registry
 from kiln.core.ir import (
+    PARAM_ROLES,
     ActivationLayout,
     ActivationSlot,
     Bundle,
+    ConditionError,
     DimExpr,
     Graph,
     LoraTarget,
@@ -25,8 +27,10 @@ from kiln.core.ir import (
     ParamSpec,
     TensorDecl,
     diagnostics,
+    dim_bindings,
     dims_equal,
     freeze,
+    parse_condition,
     parse_dim,
     thaw,
 )
@@ -54,7 +58,7 @@ from kiln.dsl._errors import (
     user_location,
 )
 from kiln.dsl._hf import mapping_json
-from kiln.dsl._scope import Scope, check_condition, eval_condition, names_in, parse_condition, translate
+from kiln.dsl._scope import Scope, check_condition, translate
 from kiln.dsl._types import ArrayType, TensorAnnotation
 
 __all__ = ["build_bundle", "compile_model", "compile_model_for_hf", "hf_to_config"]
@@ -308,33 +312,40 @@ class _Compiler:
                     loc,
                 )
             try:
-                tree = parse_condition(text)
-            except KilnError as exc:
+                condition = parse_condition(text)
+            except ConditionError as exc:
                 raise error(
                     "E026",
-                    f"invalid constraint {text!r}: {exc.message}",
+                    f"invalid constraint {text!r}: {exc.reason}",
                     "a constraint compares dimension expressions: + - * // %, == != < <= > >=, and, or, not",
                     loc,
                 ) from None
             try:
-                ok = eval_condition(tree, scope.lookup)
-            except KeyError as exc:
+                ok = condition.evaluate(scope.lookup)
+            except ConditionError as exc:
+                if exc.name is not None:
+                    raise error(
+                        "E026",
+                        f"constraint {text!r} names {exc.name!r}, which is not a config value "
+                        f"or dimension of {spec.name}",
+                        "use constructor arguments and dimensions",
+                        loc,
+                    ) from None
                 raise error(
                     "E026",
-                    f"constraint {text!r} names {exc.args[0]!r}, which is not a config value "
-                    f"or dimension of {spec.name}",
-                    "use constructor arguments and dimensions",
+                    f"constraint {text!r} cannot be evaluated: {exc.reason}",
+                    "constraints compare integer config values and dimensions",
                     loc,
                 ) from None
-            except (TypeError, KilnError) as exc:
+            except KilnError as exc:  # a dimension the scope cannot evaluate
                 raise error(
                     "E026",
-                    f"constraint {text!r} cannot be evaluated: {exc}",
+                    f"constraint {text!r} cannot be evaluated: {exc.message}",
                     "constraints compare integer config values and dimensions",
                     loc,
                 ) from None
             if not ok:
-                values = ", ".join(f"{n} = {scope.lookup(n)!r}" for n in sorted(names_in(tree)))
+                values = ", ".join(f"{n} = {scope.lookup(n)!r}" for n in sorted(condition.names))
                 raise error(
                     "E027",
                     f"{spec.name}: {message or 'constraint violated'} ({text})",
@@ -449,6 +460,9 @@ class _Compiler:
                     exc.code or "E002", f"parameter {spec.name}.{name}: {exc.message}", exc.hint, p.loc
                 ) from None
             init = p.init if p.init is None or isinstance(p.init, Mapping) else {"kind": p.init}
+            if p.role is not None and p.role not in PARAM_ROLES:
+                raise error("E003", f"parameter {spec.name}.{name}: role {p.role!r} is not one of "
+                            f"{', '.join(PARAM_ROLES)}", "leave role out to let kiln infer it", p.loc)
             specs.append(
                 ParamSpec(
                     full,
@@ -460,6 +474,7 @@ class _Compiler:
                     init=init or {},
                     lora_targets=self.lora_targets(builder, spec, p, ptype),
                     description=p.description,
+                    role=p.role,
                 )
             )
             ref = builder.declare(full, TensorType(shape, ptype.dtype), "param", name)
@@ -1317,7 +1332,7 @@ def _resolve(name_or_class: Any) -> type:
 
 def _unbound_dims(module: Module) -> list[Diagnostic]:
     """The runtime binds only int config entries plus B and T: any other symbol is a compiler bug."""
-    ints = {k for k, v in module.config.items() if isinstance(v, int) and not isinstance(v, bool)}
+    ints = set(dim_bindings(module.config))
     registry = op_registry()
     dims: list[Any] = [d for p in module.params for d in p.shape]
     dims += [d for s in module.activations.slots for d in s.shape]

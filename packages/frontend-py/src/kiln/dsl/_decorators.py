@@ -74,6 +74,8 @@ class Param(_Declared):
     ``lora_targets`` are the slices LoRA may adapt: a name (the whole weight), ``(name, start, size)``
     or ``(name, start, size, dim)`` with dims of the module (``size`` None: to the end), or a
     ``kiln.core.ir.LoraTarget``. A fused weight lists them in the order of its ``fuse`` sources.
+    ``role`` says what the parameter is for (``weight``, ``bias``, ``norm``, ``embedding``,
+    ``adapter``; optimizer parameter groups select by it); by default kiln infers it.
     """
 
     def __init__(
@@ -86,10 +88,12 @@ class Param(_Declared):
         init: Any = None,
         description: str = "",
         lora_targets: Iterable[Any] = (),
+        role: str | None = None,
     ) -> None:
         super().__init__()
         self.type, self.when, self.frozen, self.hf_mapping = param_type, when, frozen, hf_mapping
         self.init, self.description, self.lora_targets = init, description, tuple(lora_targets)
+        self.role = role
         self.tied: TiedTo | None = None
         self.optional = False
 

@@ -4,7 +4,7 @@ A module's IR uses one symbol per quantity. A config key with an alias (declared
 ``self.C = Dim("d_model")``, by ``_dims_ = {"C": "d_model"}`` or by the conventional table below)
 is written as the alias, and the alias goes into the module's config; expression aliases such as
 ``QKV`` are written out (``(Hq + 2 * Hkv) * D``). Conditions (``when=``) and ``_constraints_`` are
-parsed by kiln's dimension parser plus ``and or not`` and comparisons, never by ``eval``.
+read by kiln-core's condition parser (``kiln.core.ir.parse_condition``), never by ``eval``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.core import DimError
-from kiln.core.ir import BinOp, Const, DimExpr, Sym, parse_dim
+from kiln.core.ir import BinOp, ConditionError, Const, DimExpr, Sym, parse_condition, parse_dim
 from kiln.dsl._errors import error
 
 __all__ = [
@@ -23,9 +23,6 @@ __all__ = [
     "DERIVED",
     "Scope",
     "check_condition",
-    "eval_condition",
-    "names_in",
-    "parse_condition",
     "substitute",
     "translate",
 ]
@@ -227,9 +224,9 @@ class Scope:
             return obj_dict[name]
         if name in self.config:
             return self.config[name]
-        if name in ("True", "true"):
+        if name == "true":  # True and False are the condition language's own literals
             return True
-        if name in ("False", "false", "None"):
+        if name in ("false", "None"):
             return False
         if self.try_resolve(name) is not None:
             return self.value(name)
@@ -264,125 +261,28 @@ def translate(expr: DimExpr, sub: Scope, caller: Scope) -> DimExpr:
 # --- conditions and constraints ------------------------------------------------------------------
 
 
-def _depths(text: str) -> list[int]:
-    out, d = [], 0
-    for ch in text:
-        if ch == ")":
-            d -= 1
-        out.append(d)
-        if ch == "(":
-            d += 1
-    return out
-
-
-def _split(text: str, pattern: str) -> tuple[list[str], list[str]]:
-    depth = _depths(text)
-    parts, ops, last = [], [], 0
-    for m in re.finditer(pattern, text):
-        if depth[m.start()] == 0:
-            parts.append(text[last : m.start()])
-            ops.append(m.group())
-            last = m.end()
-    parts.append(text[last:])
-    return parts, ops
-
-
-def _enclosed(text: str) -> bool:
-    if not (text.startswith("(") and text.endswith(")")):
-        return False
-    depth = _depths(text)
-    return all(d > 0 for d in depth[1:-1]) and depth[-1] == 0
-
-
-def parse_condition(text: str) -> tuple[Any, ...]:
-    """Parse ``"use_bias and d_model % num_heads == 0"`` into a small tree (raises ``DimError``)."""
-    text = text.strip()
-    if not text:
-        raise DimError("empty condition", expr=text)
-    for kw in ("or", "and"):
-        parts, _ = _split(text, rf"\b{kw}\b")
-        if len(parts) > 1:
-            return (kw, *[parse_condition(p) for p in parts])
-    if re.match(r"not\b", text):
-        return ("not", parse_condition(text[3:]))
-    if _enclosed(text):
-        return parse_condition(text[1:-1])
-    parts, ops = _split(text, r"==|!=|<=|>=|<|>")
-    if ops:
-        dims = [parse_dim(p.strip()) for p in parts]
-        return ("cmp", *[(op, a, b) for op, a, b in zip(ops, dims, dims[1:], strict=False)])
-    if re.fullmatch(r"[A-Za-z_]\w*", text):
-        return ("name", text)
-    return ("dim", parse_dim(text))
-
-
-_CMP = {
-    "==": operator.eq,
-    "!=": operator.ne,
-    "<=": operator.le,
-    ">=": operator.ge,
-    "<": operator.lt,
-    ">": operator.gt,
-}
-
-
-def eval_condition(tree: tuple[Any, ...], lookup: Callable[[str], Any]) -> bool:
-    """Evaluate a parsed condition; ``lookup(name)`` gives config values (raises KeyError if unknown)."""
-
-    def num(e: DimExpr) -> int:
-        bindings = {}
-        for s in e.free_symbols():
-            v = lookup(s)
-            if not isinstance(v, (int, bool)):
-                raise TypeError(f"{s} = {v!r} is not an integer")
-            bindings[s] = int(v)
-        return e.evaluate(bindings)
-
-    kind = tree[0]
-    if kind == "or":
-        return any(eval_condition(t, lookup) for t in tree[1:])
-    if kind == "and":
-        return all(eval_condition(t, lookup) for t in tree[1:])
-    if kind == "not":
-        return not eval_condition(tree[1], lookup)
-    if kind == "cmp":
-        return all(_CMP[op](num(a), num(b)) for op, a, b in tree[1:])
-    if kind == "name":
-        return bool(lookup(tree[1]))
-    return bool(num(tree[1]))
-
-
-def names_in(tree: Any) -> set[str]:
-    if isinstance(tree, DimExpr):
-        return set(tree.free_symbols())
-    if isinstance(tree, tuple):
-        if tree and tree[0] == "name":
-            return {tree[1]}
-        return set().union(*[names_in(t) for t in tree]) if tree else set()
-    return set()
-
-
 def check_condition(text: str, scope: Scope) -> bool:
     """Evaluate a condition string against a module's config (DSLError E026 if it is malformed)."""
     try:
-        tree = parse_condition(text)
-    except DimError as exc:
+        condition = parse_condition(text)
+    except ConditionError as exc:
         raise error(
             "E026",
-            f"invalid condition {text!r}: {exc.message}",
+            exc.message,
             "conditions use config names, integers, + - * // %, comparisons and and/or/not",
         ) from None
     try:
-        return eval_condition(tree, scope.lookup)
-    except KeyError as exc:
+        return condition.evaluate(scope.lookup)
+    except ConditionError as exc:
+        hint = (
+            "use a constructor argument, an attribute set in __init__ or a dimension"
+            if exc.name is not None
+            else "conditions compare integer config values and dimensions"
+        )
+        raise error("E026", exc.message, hint) from None
+    except DimError as exc:  # a dimension the scope cannot evaluate
         raise error(
             "E026",
-            f"condition {text!r} names {exc.args[0]!r}, which is not in the config",
-            "use a constructor argument, an attribute set in __init__ or a dimension",
-        ) from None
-    except (TypeError, DimError) as exc:
-        raise error(
-            "E026",
-            f"condition {text!r} cannot be evaluated: {exc}",
+            f"condition {text!r} cannot be evaluated: {exc.message}",
             "conditions compare integer config values and dimensions",
         ) from None

@@ -18,7 +18,18 @@ import attrs
 import numpy as np
 
 from kiln.core import KilnError, Model, init_value
-from kiln.core.ir import Bundle, Module, Op, ParamSpec, TensorDecl, evaluate_shape, from_json, parse_dim, thaw
+from kiln.core.ir import (
+    Bundle,
+    Module,
+    Op,
+    ParamSpec,
+    TensorDecl,
+    dim_bindings,
+    evaluate_shape,
+    from_json,
+    parse_dim,
+    thaw,
+)
 from kiln.hf._data import IGNORE_INDEX
 from kiln.hf._errors import HFConfigError
 from kiln.hf._mapping import Entry, WeightMap, resolve
@@ -182,10 +193,6 @@ def with_rope_table(bundle: Bundle, shape: tuple[int, ...]) -> Bundle:
     return attrs.evolve(bundle, modules=tuple(modules))
 
 
-def _ints(config: Mapping[str, Any]) -> dict[str, int]:
-    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
 def _strings(spec: Any) -> Iterable[str]:
     if isinstance(spec, str):
         yield spec
@@ -238,7 +245,7 @@ def weight_entries(bundle: Bundle) -> list[Entry]:
     ``{layer}`` filled with the HF layer index. The RoPE table parameter has none: kiln fills it."""
     model = bundle.module(bundle.entry)
     mods = {m.name: m for m in bundle.modules}
-    ints = _ints(model.config)
+    ints = dim_bindings(model.config)
     offsets = _layer_offsets(model, mods, ints)
     out = []
 
@@ -257,7 +264,7 @@ def weight_entries(bundle: Bundle) -> list[Entry]:
                              thaw(spec.init), ints))
             continue
         block = mods[spec.array_of]
-        bints = {**ints, **_ints(block.config)}
+        bints = {**ints, **dim_bindings(block.config)}
         maps, var = _stack_mappings(model, mods, spec.name)
         assert spec.count is not None
         for i in range(spec.count.evaluate(ints)):
@@ -395,6 +402,5 @@ def _initialise_absent(model: PretrainedModel, entries: list[Entry]) -> None:
     rng = np.random.default_rng(model.seed)
     std = float(model.hf_config.get("initializer_range", 0.02))
     for e in entries:
-        spec = model.parameter_specs()[e.param][0]
-        value = init_value(attrs.evolve(spec, init=e.init), e.shape, rng, std, e.param)
+        value = init_value(e.init, e.shape, rng, std, e.param)
         model.set_parameters({e.param: value})

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import textwrap
 import threading
 import time
 import tomllib
@@ -43,8 +44,6 @@ _COMMON = {"tie_word_embeddings": True, "rope_theta": 10000.0, "num_experts": 4,
 #: keys a resumed run may change; any other change is refused
 _RESUMABLE = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
               "train.keep_checkpoints", "train.log_every")
-_MEMORY = ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations", "transient",
-           "peak")
 
 
 class TrainConfigError(KilnError):
@@ -515,13 +514,6 @@ def save_pretrained(model: Any, path: str | Path) -> list[Path]:
 # -- reports
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _count(n: float) -> str:
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -532,17 +524,10 @@ def _count(n: float) -> str:
 def plan_summary(model: Any, batch: int, seq: int) -> str:
     """The recompute plan and the planned memory of ``model``'s training Program for one shape."""
     prog = model.program(batch, seq)
-    plan, report = prog.recompute, prog.memory_report()
-    lines = [f"recompute {plan.mode!r} ({plan.training} training), planned by {plan.planner} in "
-             f"{plan.seconds * 1e3:.0f} ms for batches of {batch} x {seq} tokens:", plan.table(),
-             "planned memory:"]
-    for k in _MEMORY:
-        extra = ""
-        if k == "saved_activations" and plan.reference_bytes:
-            extra = (f"  ({100 * report[k] / plan.reference_bytes:.0f}% of the "
-                     f"{_bytes(plan.reference_bytes)} saved without recompute)")
-        lines.append(f"  {k:<18} {_bytes(report[k]):>11}{extra}")
-    return "\n".join(lines)
+    plan = prog.recompute
+    return "\n".join([f"recompute {plan.mode!r} ({plan.training} training), planned by {plan.planner} in "
+                      f"{plan.seconds * 1e3:.0f} ms for batches of {batch} x {seq} tokens:", plan.table(),
+                      "planned memory:", textwrap.indent(prog.memory_table(), "  ")])
 
 
 def replay_step(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray],

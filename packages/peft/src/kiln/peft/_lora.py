@@ -23,7 +23,19 @@ from typing import Any
 
 import attrs
 
-from kiln.core.ir import Bundle, Const, DimExpr, Module, Op, ParamSpec, TensorDecl, parse_dim, simplify, thaw
+from kiln.core.ir import (
+    Bundle,
+    Const,
+    DimExpr,
+    Module,
+    Op,
+    ParamSpec,
+    TensorDecl,
+    dim_bindings,
+    parse_dim,
+    simplify,
+    thaw,
+)
 from kiln.peft._config import ALL_LINEAR, LoraConfig
 from kiln.peft._errors import AdapterError
 
@@ -79,10 +91,6 @@ class Site:
         return f"{self.stack}.{layer}.{self.weight}" if self.stack is not None else self.weight
 
 
-def _ints(config: Mapping[str, Any]) -> dict[str, int]:
-    return {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
 def _template(mapping: Any, j: int, n: int) -> str | None:
     """The HF module path (with its layer placeholder) of LoRA target ``j`` of ``n``: the weight's
     checkpoint key, or its ``j``-th source when the weight fuses one source per target."""
@@ -103,7 +111,7 @@ def _candidates(bundle: Bundle) -> Iterable[Candidate]:
     """Each weight with LoRA targets: (module, stack, HF layer index of each layer, ints, spec, HF
     mapping, the placeholder a layer index fills)."""
     model = bundle.module(bundle.entry or "")
-    ints = _ints(model.config)
+    ints = dim_bindings(model.config)
     for spec in model.params:
         if spec.tied_to is not None:
             continue
@@ -121,7 +129,7 @@ def _candidates(bundle: Bundle) -> Iterable[Candidate]:
         for bspec in block.params:
             if bspec.lora_targets:
                 layers = [str(offset + i) for i in range(count)]
-                yield (block, spec.name, layers, {**ints, **_ints(block.config)}, bspec,
+                yield (block, spec.name, layers, {**ints, **dim_bindings(block.config)}, bspec,
                        maps.get(bspec.name, thaw(bspec.hf_mapping)), indexed.get("index", "{layer}"))
 
 

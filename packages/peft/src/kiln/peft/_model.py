@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core import KilnError, Model
+from kiln.core import KilnError, Model, init_value
 from kiln.core.ir import Bundle
 from kiln.peft import _safetensors
 from kiln.peft._config import ALL_LINEAR, LoraConfig
@@ -25,14 +25,6 @@ def _bundle(model: Model) -> Bundle:
     if isinstance(ir, Bundle):
         return ir
     return Bundle((ir, *(m for m in (model.modules or {}).values() if m.name != ir.name)), entry=ir.name)
-
-
-def _draw(rng: np.random.Generator, init: Mapping[str, Any], shape: tuple[int, ...]) -> np.ndarray:
-    if init["kind"] == "normal":
-        return rng.standard_normal(shape) * float(init["std"])
-    if init["kind"] == "uniform":
-        return rng.uniform(float(init["low"]), float(init["high"]), shape)
-    return np.zeros(shape)
 
 
 class PeftModel(Model):
@@ -72,7 +64,7 @@ class PeftModel(Model):
         """Draw the adapters as PEFT initialises them."""
         rng = np.random.default_rng(seed)
         config = self.peft_config["default"]
-        self.set_parameters({key: _draw(rng, init_spec(config, s, ab), s.shape(ab))
+        self.set_parameters({key: init_value(init_spec(config, s, ab), s.shape(ab), rng, 0.0, key)
                              for s in self.sites for key, _, ab in s.tensors()})
 
     @classmethod

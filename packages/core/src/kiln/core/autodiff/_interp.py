@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core._errors import KilnError
-from kiln.core.ir._dims import Const, Sym, parse_dim
+from kiln.core.ir._dims import Const, Sym, dim_bindings, parse_dim
 from kiln.core.ir._ir import Graph, Module, Op, TensorDecl
 from kiln.core.ops._ops import OpRegistry
 
@@ -86,9 +86,8 @@ def _callee(op: Op, modules: Mapping[str, Module] | None) -> Module:
 
 
 def _layers(op: Op, callee: Module, binds: Mapping[str, int]) -> tuple[str, int, dict[str, int]]:
-    config = {k: v for k, v in callee.config.items() if isinstance(v, int) and not isinstance(v, bool)}
     return (str(op.attrs.get("params", "blocks")), parse_dim(op.attrs["n_layers"]).evaluate(binds),
-            {**binds, **config})
+            {**binds, **dim_bindings(callee.config)})
 
 
 def _layer_envs(op: Op, callee: Module, ins: list[Any], env: Mapping[str, Any], registry: OpRegistry,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -192,7 +193,6 @@ def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from kiln.core.plan._program import compile
-    from kiln.core.plan.recompute import _size
 
     bundle = _load_model(args.model, args.config)
     budget = parse_budget(args.budget)
@@ -204,7 +204,6 @@ def run_plan(args: argparse.Namespace) -> int:
     for run in prog.passes:
         print(f"  {run.stage:<18} {run.name:<24} {run.seconds * 1e3:8.1f} ms")
     print()
-    report = prog.memory_report()
     print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={args.batch} T={args.seq}, "
           f"planned by {plan.planner} in {plan.seconds * 1e3:.1f} ms")
     if not any(p.trainable for p in prog.params):
@@ -213,18 +212,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print(plan.table())
     print()
     print("planned peak:")
-    for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations",
-              "transient", "peak"):
-        extra = ""
-        if k == "saved_activations" and plan.reference_bytes:
-            extra = f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} " \
-                    "without recompute)"
-        print(f"  {k:<18} {_size(report[k]):>12}{extra}")
-    if plan.budget is not None:
-        act = report["saved_activations"] + report["transient"]
-        print(f"  saved activations {_size(report['saved_activations'])} within the budget of "
-              f"{_size(plan.budget)} (activation peak {_size(act)})")
+    print(textwrap.indent(prog.memory_table(), "  "))
     if args.pareto:
+        report = prog.memory_report()
         fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
         _print_pareto(bundle, binds, args.mode, fixed)
     return 0

@@ -1,11 +1,13 @@
 """kiln's graph IR and its versioned JSON form (public API)."""
 
+from kiln.core.ir._condition import Condition, ConditionError, parse_condition
 from kiln.core.ir._dims import (
     BinOp,
     Const,
     DimExpr,
     Shape,
     Sym,
+    dim_bindings,
     dims_equal,
     evaluate_shape,
     parse_dim,
@@ -16,6 +18,7 @@ from kiln.core.ir._dims import (
 from kiln.core.ir._ir import (
     DTYPES,
     IR_VERSION,
+    PARAM_ROLES,
     ActivationLayout,
     ActivationSlot,
     Bundle,
@@ -38,11 +41,14 @@ from kiln.core.ir._verify import STRUCTURAL_OPS, diagnostics, verify
 __all__ = [
     "DTYPES",
     "IR_VERSION",
+    "PARAM_ROLES",
     "STRUCTURAL_OPS",
     "ActivationLayout",
     "ActivationSlot",
     "BinOp",
     "Bundle",
+    "Condition",
+    "ConditionError",
     "Const",
     "DimExpr",
     "FrozenDict",
@@ -56,12 +62,14 @@ __all__ = [
     "TensorDecl",
     "TensorType",
     "diagnostics",
+    "dim_bindings",
     "dims_equal",
     "dtype_bytes",
     "evaluate_shape",
     "freeze",
     "from_json",
     "is_float",
+    "parse_condition",
     "parse_dim",
     "parse_shape",
     "shape_to_json",

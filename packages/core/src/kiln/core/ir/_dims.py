@@ -25,6 +25,7 @@ __all__ = [
     "DimLike",
     "Shape",
     "Sym",
+    "dim_bindings",
     "dims_equal",
     "evaluate_shape",
     "parse_dim",
@@ -55,6 +56,11 @@ def _quote(text: str) -> str:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def dim_bindings(config: Mapping[str, Any]) -> dict[str, int]:
+    """The entries of a module config that bind dimension symbols: ints, not bools."""
+    return {k: v for k, v in config.items() if _is_int(v)}
 
 
 def _apply(op: str, a: int, b: int, expr: DimExpr) -> int:
@@ -214,12 +220,14 @@ def _prec(e: DimExpr) -> int:
 
 
 class _Parser:
+    token = _TOKEN  # the condition parser reads more tokens
+
     def __init__(self, text: str) -> None:
         self.text = text
         self.toks: list[tuple[str, str, int]] = []  # (kind, text, position)
         pos = 0
         while (pos := _SPACE.match(text, pos).end()) < len(text):  # type: ignore[union-attr]
-            m = _TOKEN.match(text, pos)
+            m = self.token.match(text, pos)
             if m is None:
                 slash = text[pos] == "/"
                 self.fail(

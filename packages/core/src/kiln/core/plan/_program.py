@@ -31,16 +31,26 @@ import numpy as np
 
 from kiln.core._errors import KilnError, OpError
 from kiln.core.autodiff._autodiff import DeriveBackwardOptions, derive_backward
-from kiln.core.ir._dims import evaluate_shape, parse_dim
+from kiln.core.ir._dims import dim_bindings, evaluate_shape, parse_dim
 from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
 from kiln.core.ops._ops import Cost, InferContext, OpRegistry
 from kiln.core.plan._optim import Optimizer, make_optimizer
 from kiln.core.plan._passes import PassRun, PassSpec, run_passes
-from kiln.core.plan.recompute import BlockContext, BlockPlan, PlanContext, RecomputePlan, plan_recompute
+from kiln.core.plan.recompute import (
+    BlockContext,
+    BlockPlan,
+    PlanContext,
+    RecomputePlan,
+    _size,
+    plan_recompute,
+)
 
 TRAINING_MODES = ("full", "lora")
 TASKS = ("train", "eval", "logits")
+#: the float types the NumPy backend computes in (other backends declare their own ``dtypes``)
 DTYPES = ("float32", "float64")
+#: bytes per element of every dtype a Program may hold
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1}
 ALIGN = 64  # bytes; every slot starts at a multiple
 #: a training step's phases in order; ``grad_sync`` is empty on one process (kiln-dist fills it)
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
@@ -70,7 +80,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @attrs.frozen
@@ -181,16 +191,30 @@ class Program:
                        "lifetime": (s.first, s.last), "tensors": list(s.tensors)} for s in self.slots],
         }
 
+    def memory_table(self) -> str:
+        """The memory report as text, one kind a row (``kiln plan`` prints it): the saved activations
+        also as a share of those without recompute and, under an auto budget, within it."""
+        report, plan = self.memory_report(), self.recompute
+        rows = []
+        for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations",
+                  "transient", "peak"):
+            extra = ""
+            if k == "saved_activations" and plan.reference_bytes:
+                extra = (f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} "
+                         "without recompute)")
+            rows.append(f"{k:<18} {_size(report[k]):>12}{extra}")
+        if plan.budget is not None:
+            act = report["saved_activations"] + report["transient"]
+            rows.append(f"saved activations {_size(report['saved_activations'])} within the budget of "
+                        f"{_size(plan.budget)} (activation peak {_size(act)})")
+        return "\n".join(rows)
+
     def pretty(self) -> str:
         return "\n".join(str(s) for s in self.steps)
 
 
 # ---------------------------------------------------------------------------------------------
 # compile
-
-
-def _int_config(module: Module) -> dict[str, int]:
-    return {k: v for k, v in module.config.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _resolve(module_ir: Bundle | Module,
@@ -236,7 +260,7 @@ def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping
     """Every stored parameter as (key, spec, shape, trainable): model params in order, then stacks
     expanded per layer as ``<stack>.<i>.<name>``. Tied parameters have no storage of their own."""
     out: list[tuple[str, ParamSpec, tuple[int, ...], bool]] = []
-    binds = {**_int_config(model), **bindings}
+    binds = {**dim_bindings(model.config), **bindings}
     for spec in model.params:
         if spec.tied_to is not None:
             continue
@@ -248,7 +272,7 @@ def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping
             raise KilnError(f"parameter {spec.name!r} stacks module {spec.array_of!r}, "
                             "which is not in the bundle",
                             code="E002")
-        bbinds = {**binds, **_int_config(block)}
+        bbinds = {**binds, **dim_bindings(block.config)}
         for i in range(spec.count.evaluate(binds)):
             for bspec in block.params:
                 out.append((f"{spec.name}.{i}.{bspec.name}", bspec, evaluate_shape(bspec.shape, bbinds),
@@ -273,11 +297,12 @@ class Target:
         (an optimizer may also be a dict ``{"name": ..., **settings}``)."""
         from kiln.core.plugins._session import get_registry
 
-        _choice("dtype", dtype, DTYPES)
         if isinstance(backend, str):
             backend = get_registry("backends")[backend]  # an unknown backend names the plugin to install
-        if dtype not in tuple(getattr(backend, "dtypes", DTYPES)):
-            raise KilnError(f"backend {backend.name!r} computes in {', '.join(backend.dtypes)}, not {dtype}")
+        valid = tuple(getattr(backend, "dtypes", DTYPES))
+        if dtype not in valid or dtype not in ITEMSIZE:
+            raise KilnError(f"dtype={dtype!r} is not valid for backend {backend.name!r}; expected one of "
+                            f"{', '.join(map(repr, valid))}")
         opt = make_optimizer(get_registry("optimizers"), optimizer) if not (
             optimizer is None or isinstance(optimizer, Optimizer)) else optimizer
         return cls(backend, kernels if kernels is not None else get_registry("kernels"), opt, dtype)
@@ -362,7 +387,7 @@ def _ops_registry(registry: OpRegistry | None) -> OpRegistry:
 
 
 def _binds(model: Module, bindings: Mapping[str, int]) -> dict[str, int]:
-    return {**_int_config(model), **{k: int(v) for k, v in bindings.items()}}
+    return {**dim_bindings(model.config), **{k: int(v) for k, v in bindings.items()}}
 
 
 def _context(module_ir: Bundle | Module, *, bindings: Mapping[str, int], mode: str,
@@ -420,7 +445,8 @@ class _Scheduler:
     def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, target: Target,
                  binds: dict[str, int], mode: str) -> None:
         self.model, self.modules, self.registry, self.binds = model, modules, registry, binds
-        self.target, self.float_dtype, self.mode = target, np.dtype(target.dtype), mode
+        self.target, self.mode = target, mode
+        self.float_dtype = _kernel_dtype(target.dtype)
         self.steps: list[Step] = []
         self.types: dict[str, tuple[tuple[int, ...], str]] = {}  # key -> (shape, IR dtype)
         self.kinds: dict[str, str] = {}  # pinned keys: weight, gradient, optimizer_state, input
@@ -432,7 +458,6 @@ class _Scheduler:
         self.update = False  # whether the optimizer phase is scheduled
         self._derived: dict[tuple[str, DeriveBackwardOptions], Any] = {}
         self._added: dict[Any, Any] = {}
-        self._np_dtypes: dict[str, str] = {}
         self.plan = RecomputePlan()
         self.shared: dict[tuple[str, str, str], list[str]] = {}  # (block, stack, tensor) -> each layer's copy
         for key, _, shape, _ in self.params:
@@ -442,10 +467,9 @@ class _Scheduler:
     # -- helpers
 
     def np_dtype(self, ir_dtype: str) -> str:
-        if ir_dtype not in self._np_dtypes:
-            self._np_dtypes[ir_dtype] = str(self.float_dtype) if is_float(ir_dtype) else \
-                str(np.dtype({"int8": np.int8, "int32": np.int32}[ir_dtype]))
-        return self._np_dtypes[ir_dtype]
+        """The dtype a tensor of IR type ``ir_dtype`` has in the Program: floats compute in the
+        Program's float type."""
+        return self.target.dtype if is_float(ir_dtype) else ir_dtype
 
     def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
             layer: int | None = None, recompute: bool = False) -> None:
@@ -553,7 +577,7 @@ class _Scheduler:
 
     def nbytes(self, key: str) -> int:
         shape, dt = self.types[key]
-        return _align(math.prod(shape) * np.dtype(self.np_dtype(dt)).itemsize)
+        return _align(math.prod(shape) * ITEMSIZE[self.np_dtype(dt)])
 
     def derived(self, graph: Graph, opts: DeriveBackwardOptions) -> Any:
         """The backward of ``graph``: its module's explicit ``backward`` (validated, and checked against
@@ -649,7 +673,7 @@ class _Scheduler:
         if any(o.type in ("call", "call_backward") for o in g.ops):
             raise KilnError(f"block {callee.name!r} calls another block; nested stacks are not supported")
         prefix = str(op.attrs.get("params", "blocks"))
-        binds = {**self.binds, **_int_config(callee)}
+        binds = {**self.binds, **dim_bindings(callee.config)}
         n_layers = parse_dim(op.attrs["n_layers"]).evaluate(self.binds)
         carry = [env[i] for i in op.inputs]
         if len(carry) != len(g.inputs) or len(op.outputs) != len(g.outputs):
@@ -813,6 +837,15 @@ class _Scheduler:
                                FrozenDict(opdef.resolve_attrs(attrs_)), kernel=kernel))
 
 
+def _kernel_dtype(dtype: str) -> Any:
+    """The float type kernels get for ``dtype`` attributes: a NumPy dtype where NumPy has one (bfloat16
+    needs ml_dtypes), else the name."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
 def _kernel_key(k: Any) -> str:
     return f"{k.op}@{k.backend}:{k.dtype}"
 
@@ -900,7 +933,7 @@ Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
 
 
 def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]],
-                      optimizer: Optimizer | None, float_dtype: np.dtype[Any]) -> tuple[Layout, int]:
+                      optimizer: Optimizer | None, float_dtype: str) -> tuple[Layout, int]:
     """The head of every arena of a model: (slot, kind, parameter, shape, offset, bytes) for each
     weight, then each trained parameter's gradient, then its optimizer state; and the total bytes."""
     entries = [(k, "weight", k, shape) for k, _, shape, _ in params]
@@ -911,7 +944,7 @@ def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bo
     out: Layout = []
     offset = 0
     for name, kind, param, shape in entries:
-        size = _align(math.prod(shape) * float_dtype.itemsize)
+        size = _align(math.prod(shape) * ITEMSIZE[float_dtype])
         out.append((name, kind, param, shape, offset, size))
         offset += size
     return out, offset
@@ -955,8 +988,7 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
 
 
 def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
-    itemsize = {dt: np.dtype(s.np_dtype(dt)).itemsize for dt in {dt for _, dt in s.types.values()}}
-    nbytes = {k: math.prod(shape) * itemsize[dt] for k, (shape, dt) in s.types.items()}
+    nbytes = {k: math.prod(shape) * ITEMSIZE[s.np_dtype(dt)] for k, (shape, dt) in s.types.items()}
     steps = s.steps
     last: dict[str, int] = {}
     for st in steps:
@@ -1017,7 +1049,7 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
     # then the inputs and the output
     slots: list[Slot] = []
     n = len(steps)
-    layout, persistent = persistent_layout(s.params, s.optimizer, s.float_dtype)
+    layout, persistent = persistent_layout(s.params, s.optimizer, s.target.dtype)
     for name, kind, param, _, offset, size in layout:
         k = param if kind == "weight" else s.grads[param] if kind == "gradient" else name
         slots.append(Slot(name, kind, size, offset, 0, n - 1, tuple(members[k])))

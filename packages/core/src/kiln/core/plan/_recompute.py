@@ -15,14 +15,14 @@ recompute); everything else the backward reads is replayed, the whole block at o
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 import attrs
 
 from kiln.core._errors import KilnError
+from kiln.core.ir._condition import ConditionError, parse_condition
 from kiln.core.ir._ir import ActivationSlot, FrozenDict, Graph, Module, Op
 from kiln.core.ops._ops import OpRegistry
 from kiln.core.plan.recompute import (
@@ -45,54 +45,12 @@ SHARING = {"per_layer": (), "when_recomputed": ("full", "lora"), "always_share":
 # Conditions: ``use_qk_norm``, ``not use_qkv_bias``, ``n_dense_layers > 0`` over the block config
 
 
-_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.Compare, ast.Eq,
-          ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Name, ast.Load, ast.Constant, ast.BinOp, ast.Add,
-          ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)
-_BIN: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-    ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b, ast.Eq: lambda a, b: a == b,
-    ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-    ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
-
-
 def condition_holds(expr: str, config: Mapping[str, Any], what: str) -> bool:
-    """Evaluate a slot's ``condition`` (names, numbers, ``and``/``or``/``not``, comparisons, arithmetic)."""
-    def fail(why: str) -> KilnError:
-        return KilnError(f"{what}: condition {expr!r} {why}", code="E026")
-
+    """Whether a slot's or parameter's ``condition`` holds under the block config (E026 names ``what``)."""
     try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
-        raise fail("is not an expression") from None
-    if not all(isinstance(n, _NODES) for n in ast.walk(tree)):
-        raise fail("may use only config names, numbers, and/or/not, comparisons and + - * // %")
-
-    def ev(n: ast.AST) -> Any:
-        if isinstance(n, ast.Expression):
-            return ev(n.body)
-        if isinstance(n, ast.Constant):
-            return n.value
-        if isinstance(n, ast.Name):
-            if n.id not in config:
-                raise fail(f"names {n.id!r}, which is not in the config ({', '.join(sorted(config))})")
-            return config[n.id]
-        if isinstance(n, ast.BoolOp):
-            vals = [bool(ev(v)) for v in n.values]
-            return all(vals) if isinstance(n.op, ast.And) else any(vals)
-        if isinstance(n, ast.UnaryOp):
-            return (not ev(n.operand)) if isinstance(n.op, ast.Not) else -ev(n.operand)
-        if isinstance(n, ast.BinOp):
-            return _BIN[type(n.op)](ev(n.left), ev(n.right))
-        assert isinstance(n, ast.Compare)
-        left = ev(n.left)
-        for op, right_node in zip(n.ops, n.comparators, strict=True):
-            right = ev(right_node)
-            if not _BIN[type(op)](left, right):
-                return False
-            left = right
-        return True
-
-    return bool(ev(tree))
+        return parse_condition(expr).evaluate(config)
+    except ConditionError as exc:
+        raise KilnError(f"{what}: {exc.message}", code="E026", hint=exc.hint) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ name (``CORE_PLUGINS``) and registry kinds are declared by the layers that own t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import os
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -314,6 +315,17 @@ class PluginSession:
         error = self._error(info, reason, cause)
         hint = f"; {error.hint}" if error.hint else ""
         warnings.warn(f"{error.message}. kiln goes on without it{hint}", KilnWarning, stacklevel=2)
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[PluginSession]:
+        """Make this the current session inside a ``with`` block: ``get_registry``, ``compile``,
+        ``Model`` and every other kiln function use it there (an embedding application or a test
+        keeps its plugins apart from the process-wide session)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
 
     def __repr__(self) -> str:
         names = ", ".join(self._infos) if self._loaded else "not loaded yet"

@@ -14,17 +14,16 @@ from typing import Any
 import numpy as np
 
 from kiln.core._errors import KilnError
+from kiln.core.ir._dims import dim_bindings
 from kiln.core.ir._ir import Bundle, Module, ParamSpec
 from kiln.core.plan._optim import Optimizer
 from kiln.core.plan._passes import run_passes
 from kiln.core.plan._program import (
-    DTYPES,
     PHASES,
     Program,
     Target,
     _as_bundle,
     _choice,
-    _int_config,
     _resolve,
     compile,
     model_params,
@@ -35,19 +34,22 @@ IGNORE_INDEX = -100
 INITS = ("normal", "uniform", "ones", "zeros")
 
 
-def init_value(spec: ParamSpec, shape: tuple[int, ...], rng: np.random.Generator, default_std: float,
-               name: str | None = None) -> np.ndarray:
-    """A parameter's initial value from its ``init`` spec: ``normal`` (``std``, default
-    ``default_std``), ``uniform`` (``low``, ``high``), ``ones`` or ``zeros``; float64."""
-    kind = spec.init.get("kind", "normal")
-    if kind == "normal":
-        return rng.standard_normal(shape) * float(spec.init.get("std", default_std))
-    if kind == "uniform":
-        return rng.uniform(float(spec.init["low"]), float(spec.init["high"]), shape)
+def init_value(init: Mapping[str, Any], shape: tuple[int, ...], rng: np.random.Generator, default_std: float,
+               name: str) -> np.ndarray:
+    """Parameter ``name``'s initial value from its init spec (``ParamSpec.init``): ``normal`` (``std``,
+    default ``default_std``), ``uniform`` (``low``, ``high``), ``ones`` or ``zeros``; float64."""
+    kind = init.get("kind", "normal")
+    try:
+        if kind == "normal":
+            return rng.standard_normal(shape) * float(init.get("std", default_std))
+        if kind == "uniform":
+            return rng.uniform(float(init["low"]), float(init["high"]), shape)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KilnError(f"parameter {name!r}: init {dict(init)!r} is not valid ({type(exc).__name__}: "
+                        f"{exc}); normal takes a float std, uniform a float low and high") from None
     if kind in ("ones", "zeros"):
         return np.full(shape, 1.0 if kind == "ones" else 0.0)
-    raise KilnError(f"parameter {name or spec.name!r}: unknown init kind {kind!r}; expected "
-                    f"{', '.join(INITS)}")
+    raise KilnError(f"parameter {name!r}: unknown init kind {kind!r}; expected {', '.join(INITS)}")
 
 
 class Model:
@@ -58,7 +60,8 @@ class Model:
     ``recompute_budget`` choose the recompute plan of every training Program (see ``compile``).
     ``optimizer``: an :class:`~kiln.core.Optimizer` (default ``AdamW()``), a registered name or a dict
     ``{"name": ..., **settings}``. ``init``: ``"random"`` (each parameter's init spec, from ``seed``)
-    or ``None`` (zeros: weights are loaded afterwards, e.g. with :meth:`load_state_dict`).
+    or ``None`` (zeros); ``weights``: values for some or all parameters, set after ``init`` (as
+    :meth:`set_parameters`).
     ``passes``: graph passes every Program runs first (see ``compile``).
     """
 
@@ -66,10 +69,9 @@ class Model:
                  optimizer: Any = None, mode: str = "full", backend: Any = "numpy",
                  modules: Mapping[str, Module] | None = None, recompute: str = "none",
                  recompute_budget: float | None = None, init: str | None = "random",
-                 passes: Sequence[Any] = ()) -> None:
+                 weights: Mapping[str, Any] | None = None, passes: Sequence[Any] = ()) -> None:
         from kiln.core.plan.recompute import MODES
 
-        _choice("dtype", dtype, DTYPES)
         _choice("recompute", recompute, MODES)
         if init not in ("random", None):
             raise KilnError(f"init={init!r} is not valid; expected 'random' or None")
@@ -87,8 +89,8 @@ class Model:
             module_ir, modules = run_passes(_as_bundle(module_ir, modules), self.passes,
                                             get_registry("graph_passes"))[0], None
         self._model, mods = _resolve(module_ir, modules)
-        self._params = model_params(self._model, mods, _int_config(self._model), mode)
-        self._layout, self._persistent = persistent_layout(self._params, self.optimizer, np.dtype(dtype))
+        self._params = model_params(self._model, mods, dim_bindings(self._model.config), mode)
+        self._layout, self._persistent = persistent_layout(self._params, self.optimizer, dtype)
         self._where = {name: (offset, shape) for name, _, _, shape, offset, _ in self._layout}
         self._programs: dict[tuple[str, int, int], Program] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
@@ -97,6 +99,8 @@ class Model:
         self._tied = {spec.name: spec.tied_to for spec in self._model.params if spec.tied_to is not None}
         if init == "random":
             self.init_parameters(seed)
+        if weights is not None:
+            self.set_parameters(weights)
 
     @classmethod
     def from_ir(cls, module_ir: Bundle | Module, **options: Any) -> Model:
@@ -110,7 +114,7 @@ class Model:
         rng = np.random.default_rng(seed)
         default_std = float(self._model.config.get("initializer_range", 0.02))
         for key, spec, shape, _ in self._params:
-            self._write(key, init_value(spec, shape, rng, default_std, key))
+            self._write(key, init_value(spec.init, shape, rng, default_std, key))
 
     def _read(self, name: str) -> np.ndarray:
         offset, shape = self._where[name]
