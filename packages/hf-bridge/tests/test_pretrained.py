@@ -369,3 +369,67 @@ def test_loading_peaks_within_one_tensor_of_the_model(tmp_path: Path) -> None:
     # the arena holds the weights, their gradients and AdamW's two moments: kiln's own, allocated by Model
     assert model.arena_bytes >= 4 * weights
     assert peak <= model.arena_bytes + largest, (peak - model.arena_bytes, largest)
+
+
+class NpzFormat:
+    """A weight format from a plugin: the tensors of ``weights.npz`` (float32)."""
+
+    def detect(self, path: Path) -> bool:
+        return (Path(path) / "weights.npz").is_file()
+
+    def open(self, path: Path) -> Any:
+        return _NpzReader(Path(path) / "weights.npz")
+
+    def save(self, folder: Path, tensors: Any, **options: Any) -> list[Path]:
+        np.savez(Path(folder) / "weights.npz", **{k: np.asarray(v) for k, v in tensors.items()})
+        return [Path(folder) / "weights.npz"]
+
+
+class _NpzReader:
+    def __init__(self, path: Path) -> None:
+        self.path, self.arrays = path, dict(np.load(path))
+
+    def __enter__(self) -> _NpzReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.arrays
+
+    def __iter__(self) -> Any:
+        return iter(self.arrays)
+
+    def info(self, key: str) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(file=self.path, dtype="F32", shape=self.arrays[key].shape)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.arrays[key].shape)
+
+    def read_into(self, key: str, out: np.ndarray, index: Any = None) -> None:
+        out[...] = self.arrays[key] if index is None else self.arrays[key][index]
+
+
+def test_checkpoints_are_read_through_the_registered_weight_formats(tmp_path: Path) -> None:
+    from kiln.core import PluginSession, get_registry, hookimpl
+
+    tensors = write(tmp_path / "st", LLAMA)
+    (tmp_path / "npz").mkdir()
+    (tmp_path / "npz" / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+    NpzFormat().save(tmp_path / "npz", tensors)
+    assert get_registry("weight_formats").owner("safetensors").distribution == "kiln-hf"
+    with pytest.raises(KilnError, match=r"no registered weight format reads this \(safetensors registered\)"):
+        from_pretrained(tmp_path / "npz")
+
+    class Plugin:
+        @hookimpl
+        def kiln_register_weight_formats(self, registry: Any) -> None:
+            registry.register("npz", NpzFormat())
+
+    with PluginSession().activate() as session:
+        session.register(Plugin(), "npz")
+        same(from_pretrained(tmp_path / "npz").hf_state_dict(), tensors)
+        same(from_pretrained(tmp_path / "st").hf_state_dict(), tensors)  # still safetensors

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kiln.core import PluginSession
 from kiln.hf import TrainConfigError, load_train_config
 from kiln.hf._train import PRESETS, SCHEMA, parse_budget
 
@@ -189,9 +189,9 @@ def test_lora_section_needs_lora_mode(tmp_path: Path) -> None:
     assert "train.mode" in error(tmp_path, "[lora]\nr = 4\n", "lora")
 
 
-def test_lora_mode_without_kiln_peft_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kiln.peft", None)  # import kiln.peft raises ImportError
-    message = error(tmp_path, "[train]\nmode = \"lora\"\n", "train.mode")
+def test_lora_mode_without_kiln_peft_names_it(tmp_path: Path) -> None:
+    with PluginSession(autoload=False).activate():  # no kiln-peft: no "lora" adapter
+        message = error(tmp_path, "[train]\nmode = \"lora\"\n", "train.mode")
     assert "kiln-peft" in message
 
 

@@ -42,7 +42,9 @@ def peft_model(bundle: Bundle, recompute: str = "none", **kw: Any) -> PeftModel:
 def test_the_pass_and_the_adapter_are_registered_by_kiln_peft() -> None:
     assert get_registry("graph_passes")["lora"] is lora
     assert get_registry("graph_passes").owner("lora").distribution == "kiln-peft"
-    assert get_registry("adapters")["lora"] is LoraConfig
+    adapter = get_registry("adapters")["lora"]
+    assert adapter.config_class is LoraConfig and adapter.config(r=4).r == 4
+    assert get_registry("adapters").owner("lora").distribution == "kiln-peft"
 
 
 def test_hf_module_names_resolve_to_slices_of_the_fused_weights(bundle: Bundle) -> None:

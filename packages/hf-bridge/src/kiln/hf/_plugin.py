@@ -32,6 +32,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 @hookimpl
+def kiln_register_weight_formats(registry: Any) -> None:
+    from kiln.hf._safetensors import SafetensorsFormat
+
+    registry.register("safetensors", SafetensorsFormat())
+
+
+@hookimpl
 def kiln_cli_commands(register: Callable[..., Any]) -> None:
     register("train", help="train a model as a TOML config says: from scratch or from a HF checkpoint, "
              "every weight or LoRA adapters",

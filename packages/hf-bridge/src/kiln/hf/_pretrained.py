@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kiln.core import KilnError, Model, init_value
+from kiln.core import KilnError, Model, get_registry, init_value
 from kiln.core.ir import (
     Bundle,
     Module,
@@ -31,10 +31,9 @@ from kiln.core.ir import (
     thaw,
 )
 from kiln.hf._data import IGNORE_INDEX
-from kiln.hf._errors import HFConfigError
+from kiln.hf._errors import CheckpointError, HFConfigError
 from kiln.hf._mapping import Entry, WeightMap, resolve
 from kiln.hf._rope import rope_inv_freq, rope_parameters, rope_table
-from kiln.hf._safetensors import open_checkpoint, save_checkpoint
 
 CONFIG_NAME = "config.json"
 #: the frozen model parameter holding the RoPE table of scaled RoPE variants
@@ -328,7 +327,8 @@ class PretrainedModel(Model):
             key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"  # v4 : v5
             config[key] = dtype.name
         tensors = self.weights.export(_Parameters(self), dtype)
-        written = save_checkpoint(folder, tensors, max_shard_size=max_shard_size)
+        written = get_registry("weight_formats")["safetensors"].save(folder, tensors,
+                                                                    max_shard_size=max_shard_size)
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         return [*written, folder / CONFIG_NAME]
 
@@ -341,6 +341,18 @@ def _float_dtype(dtype: Any) -> np.dtype[Any]:
     if dt is None or dt.name not in _SAVE_DTYPES:
         raise KilnError(f"dtype={dtype!r} is not valid; expected one of {', '.join(_SAVE_DTYPES)}")
     return dt
+
+
+def weight_format(path: str | Path) -> Any:
+    """The first registered weight format (``kiln_register_weight_formats``) that reads ``path``."""
+    formats = get_registry("weight_formats")
+    for name in formats.names():
+        if formats[name].detect(path):
+            return formats[name]
+    known = ", ".join(formats.names()) or "none"
+    raise CheckpointError(f"no registered weight format reads this ({known} registered)",
+                          file=Path(path),
+                          hint="a HF checkpoint folder holds model.safetensors or its .index.json")
 
 
 def from_pretrained(path: str | Path, *, backend: str = "numpy", dtype: str = "float32", mode: str = "full",
@@ -360,7 +372,7 @@ def from_pretrained(path: str | Path, *, backend: str = "numpy", dtype: str = "f
     config, file = read_config(folder)
     bundle, arch = compile_config(config, file)
     entries = weight_entries(bundle)
-    with open_checkpoint(folder) as ckpt:
+    with weight_format(folder).open(folder) as ckpt:
         weights = resolve(ckpt, entries)
         model = PretrainedModel(bundle, hf_config=config, architecture=arch, weights=weights, backend=backend,
                                 dtype=dtype, mode=mode, recompute=recompute, **model_kwargs)

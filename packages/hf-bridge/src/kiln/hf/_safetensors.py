@@ -289,6 +289,24 @@ class Checkpoint:
         return self._maps[file]
 
 
+class SafetensorsFormat:
+    """The ``safetensors`` weight format (registered through ``kiln_register_weight_formats``)."""
+
+    name = "safetensors"
+
+    def detect(self, path: str | Path) -> bool:
+        p = Path(path)
+        if p.is_dir():
+            return (p / DEFAULT_NAME).exists() or (p / (DEFAULT_NAME + INDEX_SUFFIX)).exists()
+        return p.name.endswith((".safetensors", INDEX_SUFFIX))
+
+    def open(self, path: str | Path) -> Checkpoint:
+        return Checkpoint(path)
+
+    def save(self, folder: str | Path, tensors: Mapping[str, Any], **options: Any) -> list[Path]:
+        return save_checkpoint(folder, tensors, **options)
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a checkpoint: a ``.safetensors`` file, an ``*.index.json``, or a folder holding either."""
     return Checkpoint(path)

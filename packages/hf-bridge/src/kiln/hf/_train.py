@@ -367,11 +367,9 @@ def _check_together(config: TrainConfig) -> None:
         raise TrainConfigError(f"{str(tokenizer)!r} is neither a tokenizer.json nor a folder holding one",
                                key="data.tokenizer", file=file)
     if mode == "lora":
-        try:
-            import kiln.peft  # noqa: F401
-        except ImportError:
+        if "lora" not in _registered("adapters"):
             raise TrainConfigError("LoRA training needs kiln-peft, which is not installed", key="train.mode",
-                                   file=file, hint="pip install kiln-peft") from None
+                                   file=file, hint="pip install kiln-peft")
         _lora_config(config)
     elif "lora" in config.given:
         raise TrainConfigError("the [lora] section applies only with train.mode = \"lora\"", key="lora",
@@ -389,12 +387,11 @@ def _check_together(config: TrainConfig) -> None:
 
 
 def _lora_config(config: TrainConfig) -> Any:
-    from kiln.peft import LoraConfig
+    """The ``[lora]`` table as the configuration of the ``lora`` adapter (``kiln_register_adapters``)."""
+    from kiln.core import get_registry
 
-    lora = config["lora"]
     try:
-        return LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
-                          target_modules=lora["target_modules"], use_rslora=lora["use_rslora"])
+        return get_registry("adapters")["lora"].config(**config["lora"])
     except KilnError as e:
         key = getattr(e, "key", None)
         raise TrainConfigError(e.message, key=f"lora.{key}" if key else "lora", file=config.file,
@@ -503,9 +500,10 @@ def save_pretrained(model: Any, path: str | Path) -> list[Path]:
     if not getattr(entry, "hf_config", None):
         raise KilnError(f"model {entry.name!r} declares no HF architecture (kiln-dsl's @hf_config), so it "
                         "has no HF checkpoint layout")
-    from kiln.hf import save_checkpoint
+    from kiln.core import get_registry
 
-    files = save_checkpoint(folder, _scratch_tensors(bundle, model.parameters()))
+    tensors = _scratch_tensors(bundle, model.parameters())
+    files = get_registry("weight_formats")["safetensors"].save(folder, tensors)
     (folder / "config.json").write_text(json.dumps(hf_config_of(bundle), indent=2) + "\n", encoding="utf-8")
     return [*files, folder / "config.json"]
 
@@ -718,9 +716,9 @@ class _Run:
             model = Model.from_ir(self.bundle, **options)
             what = f"{m['name']} ({m['size']}) from scratch"
         if self.mode == "lora":
-            from kiln.peft import get_peft_model
+            from kiln.core import get_registry
 
-            model = get_peft_model(model, _lora_config(self.c), seed=m["seed"])
+            model = get_registry("adapters")["lora"].apply(model, _lora_config(self.c), seed=m["seed"])
         try:  # compiles the training step: the recompute plan may not fit the budget
             params = model.program(t["batch_size"], t["seq_len"]).params
         except KilnError as e:

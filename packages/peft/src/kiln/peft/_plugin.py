@@ -14,8 +14,27 @@ def kiln_register_graph_passes(registry: Any) -> None:
     registry.register("lora", lora)
 
 
+class LoraAdapter:
+    """The ``lora`` adapter: ``config(**settings)`` is a :class:`~kiln.peft.LoraConfig`, ``apply``
+    is :func:`~kiln.peft.get_peft_model`."""
+
+    name = "lora"
+
+    @property
+    def config_class(self) -> Any:
+        from kiln.peft._config import LoraConfig
+
+        return LoraConfig
+
+    def config(self, **settings: Any) -> Any:
+        return self.config_class(**settings)
+
+    def apply(self, model: Any, config: Any, **options: Any) -> Any:
+        from kiln.peft._model import get_peft_model
+
+        return get_peft_model(model, config, **options)
+
+
 @hookimpl
 def kiln_register_adapters(registry: Any) -> None:
-    from kiln.peft._config import LoraConfig
-
-    registry.register("lora", LoraConfig)
+    registry.register("lora", LoraAdapter())

@@ -134,7 +134,15 @@ def kiln_plan_recompute(
 def kiln_register_weight_formats(registry: NamedRegistry[Any]) -> None:
     """Register weight formats that checkpoints can be read from and written to.
 
-    :param registry: The weight-format registry; call ``registry.register(name, fmt)``.
+    :param registry: The weight-format registry; call ``registry.register(name, fmt)``. ``fmt``
+        has ``detect(path) -> bool`` (whether a file or folder holds this format), ``open(path)``
+        (a reader with the interface of ``kiln.hf.Checkpoint``: a context manager over tensor
+        names with ``path``, ``info(key)`` (``file``, ``dtype`` as a safetensors name, ``shape``),
+        ``shape(key)`` and ``read_into(key, out, index=None)``, which copies a tensor, or its part
+        ``index``, into the array ``out``) and ``save(folder, tensors, **options)`` (writes
+        ``{name: array}``, returns the files written). kiln-hf registers ``safetensors``, reads a HF
+        checkpoint folder with the first registered format that detects it, and writes
+        ``safetensors``.
 
     Every implementation is called; return values are ignored.
 
@@ -146,7 +154,12 @@ def kiln_register_weight_formats(registry: NamedRegistry[Any]) -> None:
 def kiln_register_adapters(registry: NamedRegistry[Any]) -> None:
     """Register parameter-efficient adapters (such as LoRA) that are applied as graph passes.
 
-    :param registry: The adapter registry; call ``registry.register(name, adapter)``.
+    :param registry: The adapter registry; call ``registry.register(name, adapter)``. ``adapter``
+        has ``config(**settings)`` (its configuration from plain settings, as a ``kiln train``
+        config's ``[<name>]`` table gives them; bad settings raise a ``KilnError`` with a ``key``)
+        and ``apply(model, config, **options)`` (a new Model with the adapters, trained in place of
+        the base weights). kiln-peft registers ``lora``; ``kiln train`` looks its ``train.mode``
+        up here.
 
     Every implementation is called; return values are ignored.
 
