@@ -9,6 +9,7 @@ training runs on a hand-made adapter (``with_lora``): the LoRA graph pass belong
 from __future__ import annotations
 
 import json
+import re
 import tracemalloc
 import types
 from collections.abc import Iterator
@@ -697,3 +698,19 @@ def test_kiln_plan_on_a_dsl_model_in_lora_mode(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert "recompute='dsl', lora training" in out and out.count("DenseTransformerBlock") == 4
     assert "no parameter trains" in out  # no adapters without kiln-peft's pass
+
+
+@pytest.mark.parametrize(("text", "value"), [("123456", 123456), ("64MiB", 64 << 20), ("1.5KB", 1500),
+                                             ("0.5", 0.5), ("50%", 0.5), (4096, 4096), (0.25, 0.25)])
+def test_budgets_are_bytes_or_fractions(text: object, value: float) -> None:
+    from kiln.core.recompute import parse_budget
+
+    assert parse_budget(text) == value and type(parse_budget(text)) is type(value)
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5", 0, "0%", "150%", 1.5, True, None, "MiB"])
+def test_a_budget_that_is_neither_is_an_error_naming_it(bad: object) -> None:
+    from kiln.core.recompute import parse_budget
+
+    with pytest.raises(KilnError, match=re.escape(repr(bad))):
+        parse_budget(bad)

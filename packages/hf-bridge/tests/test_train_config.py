@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from kiln.core import PluginSession
+from kiln.core.recompute import parse_budget
 from kiln.hf import TrainConfigError, load_train_config
-from kiln.hf._train import PRESETS, SCHEMA, parse_budget
+from kiln.hf._train import PRESETS, SCHEMA
 
 ROOT = Path(__file__).parents[3]
 QWEN3 = json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 300,

@@ -204,30 +204,6 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def parse_budget(value: Any) -> int | float:
-    """``123456`` or ``"64MiB"`` (bytes), ``0.5`` or ``"50%"`` (a fraction of the peak without recompute)."""
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    if isinstance(value, str):
-        text = value.strip()
-        unit = next((u for u in units if text.endswith(u)), None)
-        try:
-            if text.endswith("%"):
-                value = float(text[:-1]) / 100
-            elif unit is not None:
-                value = int(float(text[:-len(unit)]) * units[unit])
-            else:
-                value = int(text) if text.isdigit() else float(text)
-        except ValueError:
-            raise ValueError(f"{value!r} is not a budget") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{value!r} is not a budget")
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"{value} bytes is not a budget")
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ValueError(f"the fraction {value} is not in (0, 1]")
-    return value
-
-
 def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> Any:
     """``value`` checked against ``spec`` (paths made absolute and checked to exist)."""
     valid = spec.valid()
@@ -268,10 +244,12 @@ def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> An
     if kind == "path":
         return (base / value).expanduser()
     if kind == "budget":
+        from kiln.core.recompute import parse_budget
+
         try:
             return parse_budget(value)
-        except ValueError as e:
-            raise bad(f"{e}; expected {_KINDS[kind]}") from None
+        except KilnError as e:
+            raise bad(f"{e.message}; expected {_KINDS[kind]}") from None
     if valid is not None and value not in valid:
         close = difflib.get_close_matches(str(value), list(map(str, valid)), n=1)
         raise bad(f"{value!r} is not one of {', '.join(map(repr, valid))}"

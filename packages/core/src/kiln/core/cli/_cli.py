@@ -129,24 +129,6 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
                    help="print every auto plan: saved activations, planned peak and extra FLOPs")
 
 
-def parse_budget(text: str | None) -> float | None:
-    """``123456`` (bytes), ``64MiB``, ``0.5`` or ``50%`` (fractions)."""
-    if text is None:
-        return None
-    t = text.strip()
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    try:
-        if t.endswith("%"):
-            return float(t[:-1]) / 100
-        for unit, scale in units.items():
-            if t.endswith(unit):
-                return int(float(t[:-len(unit)]) * scale)
-        return int(t) if t.isdigit() else float(t)
-    except ValueError:
-        raise KilnError(f"--budget {text!r} is not a budget; give bytes (123456, 64MiB) or a fraction "
-                        "(0.5, 50%)") from None
-
-
 def _load_model(name: str, config: str | None) -> Any:
     import json
     from pathlib import Path
@@ -193,9 +175,15 @@ def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from kiln.core.plan._program import compile
+    from kiln.core.plan.recompute import parse_budget
 
     bundle = _load_model(args.model, args.config)
-    budget = parse_budget(args.budget)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_budget(args.budget)
+        except KilnError as e:
+            raise KilnError(f"--budget {e.message}") from None
     binds = {"B": args.batch, "T": args.seq}
     prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget,
                    passes=[parse_pass(p) for p in args.passes])

@@ -36,6 +36,7 @@ __all__ = [
     "RecomputePlan",
     "layout_ops",
     "pareto",
+    "parse_budget",
     "plan_context",
     "plan_recompute",
     "policy_active",
@@ -370,3 +371,32 @@ def _from_plugins(context: PlanContext, mode: str, budget: float | None,
     if result.planner == "kiln.core" and name is not None:
         result = attrs.evolve(result, planner=name)
     return result
+
+
+_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def parse_budget(value: Any) -> int | float:
+    """An auto-planner budget: bytes (``123456``, ``"64MiB"``) or a fraction of the saved activations
+    without recompute (``0.5``, ``"50%"``); a ``KilnError`` for anything else (no bytes, a fraction
+    outside (0, 1])."""
+    given = value
+    if isinstance(value, str):
+        text = value.strip()
+        unit = next((u for u in _UNITS if text.endswith(u)), None)
+        try:
+            if text.endswith("%"):
+                value = float(text[:-1]) / 100
+            elif unit is not None:
+                value = int(float(text[:-len(unit)]) * _UNITS[unit])
+            else:
+                value = int(text) if text.isdigit() else float(text)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KilnError(f"{given!r} is not a budget; give bytes (123456, 64MiB) or a fraction (0.5, 50%)")
+    if isinstance(value, int) and value < 1:
+        raise KilnError(f"{given!r} is not a budget: {value} bytes")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise KilnError(f"{given!r} is not a budget: the fraction {value} is not in (0, 1]")
+    return value
