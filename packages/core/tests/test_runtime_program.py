@@ -135,7 +135,11 @@ def test_numpy_kernels_equal_their_reference_kernels(name: str) -> None:
         return
     opdef = op_registry()[name]
     kernel = get_registry("kernels").find(name, "numpy", "float64")
-    assert opdef.samples is not None and kernel is not None and kernel.out
+    assert kernel is not None
+    if not kernel.out:  # the reference kernel itself
+        assert kernel.fn is opdef.kernel
+        return
+    assert opdef.samples is not None
     for sample in opdef.samples(np.random.default_rng(0)):
         attrs = opdef.kernel_attrs(opdef.resolve_attrs(sample.attrs), {}, np.float64)
         expected = opdef.run(list(sample.inputs), sample.attrs)

@@ -16,15 +16,16 @@ def kiln_register_backends(registry: Any) -> None:
 
 @hookimpl
 def kiln_register_kernels(registry: Any) -> None:
-    """The op library's ``out=`` kernels, and the fused LM-head training pass the backend implements.
-
-    Ops without an entry run their reference kernel (``OpDef.kernel``) on the NumPy backend.
-    """
+    """A kernel for every op of kiln-core's library (its ``out=`` kernel where it has one, else its
+    reference kernel) and the fused LM-head training pass the backend implements. A plugin's op
+    without a NumPy kernel runs its reference kernel (the backend's ``reference``)."""
     from kiln.core.ops.library import core_ops
     from kiln.core.ops.library._loss import fused_lm_head_loss_and_grad
 
     for op in core_ops():
         if op.out_kernel is not None:
             registry.register_kernel(op.opdef.name, "numpy", "*", op.out_kernel, out=True, inplace=op.inplace)
+        else:
+            registry.register_kernel(op.opdef.name, "numpy", "*", op.opdef.kernel)
     registry.register_kernel("fused_lm_head_loss_and_grad", "numpy", "*", fused_lm_head_loss_and_grad,
                              out=True)
