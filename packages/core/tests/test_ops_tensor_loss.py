@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kiln.core import KilnError
+from kiln.core import KilnError, op_registry
 from kiln.core.autodiff import derive_backward, verify_backward
 from kiln.core.ir._dims import dims_equal, parse_dim
 from kiln.core.ir._ir import Graph, Op, TensorDecl, TensorType
@@ -291,3 +291,16 @@ def test_fused_lm_head_loss_never_holds_more_than_one_vocabulary_chunk_of_logits
     dlogits[rows, targets[rows]] -= d_loss[rows]
     np.testing.assert_allclose(dx, dlogits @ w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dw, dlogits.T @ x, rtol=1e-4, atol=1e-6)
+
+
+def test_the_padding_row_of_an_embedding_gets_no_gradient() -> None:
+    rng = np.random.default_rng(0)
+    ids, weight = np.array([[3, 0, 1], [0, 0, 2]]), rng.standard_normal((5, 4))
+    d_out = rng.standard_normal((2, 3, 4))
+    bwd = op_registry()["embedding_backward"]
+    (full,) = bwd.run([d_out, ids], {"num_embeddings": 5})
+    (padded,) = bwd.run([d_out, ids], {"num_embeddings": 5, "padding_idx": 0})
+    np.testing.assert_allclose(full[0], d_out[0, 1] + d_out[1, 0] + d_out[1, 1])  # the scatter-add oracle
+    assert not padded[0].any() and np.array_equal(padded[1:], full[1:])
+    fwd = op_registry()["embedding"]
+    assert np.array_equal(fwd.run([ids, weight], {"padding_idx": 0})[0], weight[ids])  # forward unchanged

@@ -37,6 +37,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-llama3-rope": ("LlamaConfig", {**SMALL, "rope_parameters": LLAMA3, "tie_word_embeddings": False}),
     "qwen3-yarn-rope": ("Qwen3Config", {**SMALL, "tie_word_embeddings": True, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}}),
+    # the pad id occurs in the input: transformers' embedding gives that row no gradient (padding_idx)
+    "qwen3-pad-tied": ("Qwen3Config", {**SMALL, "tie_word_embeddings": True, "pad_token_id": 0}),
+    "llama-pad": ("LlamaConfig", {**SMALL, "tie_word_embeddings": False, "pad_token_id": 0}),
     "qwen3-moe-dense-layer": ("Qwen3MoeConfig", {
         **SMALL, "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
         "moe_intermediate_size": 16, "mlp_only_layers": [0], "tie_word_embeddings": False}),
@@ -60,6 +63,7 @@ def make_checkpoint(case: str, folder: Path, dtype: Any = None) -> Any:
 def batch() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
     ids = rng.integers(0, VOCAB, (BATCH, SEQ))
+    ids[1, -4:] = 0  # the pad id of the *-pad cases
     labels = ids.copy()
     labels[0, :5] = -100  # ignored positions count in neither loss
     return ids, labels

@@ -433,3 +433,36 @@ def test_checkpoints_are_read_through_the_registered_weight_formats(tmp_path: Pa
         session.register(Plugin(), "npz")
         same(from_pretrained(tmp_path / "npz").hf_state_dict(), tensors)
         same(from_pretrained(tmp_path / "st").hf_state_dict(), tensors)  # still safetensors
+
+
+def test_an_absent_head_dim_defaults_as_in_transformers(tmp_path: Path) -> None:
+    """Without head_dim, Qwen3-MoE has hidden_size // num_attention_heads (as transformers), Qwen3 128."""
+    moe = {**QWEN3_MOE, "head_dim": QWEN3_MOE["hidden_size"] // QWEN3_MOE["num_attention_heads"]}
+    tensors = write(tmp_path / "moe", moe)
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    del config["head_dim"]
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
+    same(from_pretrained(tmp_path / "moe").hf_state_dict(), tensors)
+    dense = {**QWEN3, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
+    write(tmp_path / "dense", dense)
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    del config["head_dim"]
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(config))
+    assert from_pretrained(tmp_path / "dense").parameters()["blocks.0.q_norm_weight"].shape == (128,)
+
+
+def test_the_pad_token_row_gets_no_gradient(tmp_path: Path) -> None:
+    """HF's pad_token_id is the embedding's padding_idx (torch.nn.Embedding): when the pad id occurs in
+    the input, its row gets no gradient from the lookup; every other gradient is unchanged."""
+    write(tmp_path / "pad", {**LLAMA, "pad_token_id": 0})
+    write(tmp_path / "none", LLAMA)
+    ids = np.array([[0, 5, 7, 0, 9, 3], [4, 0, 0, 2, 8, 1]])
+    labels = np.roll(ids, -1, axis=1)
+    grads = {k: from_pretrained(tmp_path / k).loss_and_grads(ids, labels, names="kiln")[1]
+             for k in ("pad", "none")}
+    assert not grads["pad"]["embedding"][0].any() and grads["none"]["embedding"][0].any()
+    np.testing.assert_array_equal(grads["pad"]["embedding"][1:], grads["none"]["embedding"][1:])
+    assert all(np.array_equal(grads["pad"][k], grads["none"][k]) for k in grads["pad"] if k != "embedding")
+    with pytest.raises(KilnError, match="pad_token_id must be a row of the embedding"):
+        write(tmp_path / "bad", {**LLAMA, "pad_token_id": LLAMA["vocab_size"]})
+        from_pretrained(tmp_path / "bad")

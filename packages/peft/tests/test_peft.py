@@ -280,3 +280,17 @@ def test_compile_runs_the_lora_pass_and_trains_what_peft_would(bundle: Bundle) -
     model = Model.from_ir(bundle, mode="lora", passes=[("lora", config)], weights=pm.parameters())
     ids, labels = batch()
     assert model.loss_and_grads(ids, labels)[0] == pm.loss_and_grads(ids, labels)[0]
+
+
+@pytest.mark.parametrize("is_trainable", [False, True])
+def test_a_loaded_adapter_trains_exactly_when_it_is_trainable(bundle: Bundle, tmp_path: Path,
+                                                              is_trainable: bool) -> None:
+    peft_model(bundle).save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(Model.from_ir(bundle, seed=0), tmp_path, is_trainable=is_trainable)
+    ids, labels = batch()
+    _, grads = loaded.loss_and_grads(ids, labels)
+    before = loaded.adapter_state_dict()
+    loaded.train_step({"input_ids": ids, "labels": labels})
+    moved = {k for k, v in loaded.adapter_state_dict().items() if not np.array_equal(v, before[k])}
+    assert bool(grads) is bool(moved) is is_trainable  # as PEFT: frozen unless is_trainable
+    assert len(grads) == (sum(loaded.trainable.values()) if is_trainable else 0)

@@ -659,8 +659,11 @@ class GraphBuilder:
         return self._one("reciprocal", [x], {}, out_name)
 
     # -- embedding and loss (§8.9) --
-    def embedding(self, token_ids: Any, weight: Any, *, out_name: str | None = None) -> GraphRef:
-        return self._one("embedding", [token_ids, weight], {}, out_name)
+    def embedding(self, token_ids: Any, weight: Any, *, padding_idx: int | None = None,
+                  out_name: str | None = None) -> GraphRef:
+        """``weight[token_ids]``; the row ``padding_idx`` gets no gradient (``torch.nn.Embedding``)."""
+        attrs = {} if padding_idx is None else {"padding_idx": padding_idx}
+        return self._one("embedding", [token_ids, weight], attrs, out_name)
 
     def fused_lm_head_loss(
         self,

@@ -94,12 +94,15 @@ class _CausalLM:
     _constraints_ = (("rope_is_default", "scaled RoPE (a rope_type other than 'default') is not supported: "
                       "kiln computes the rotary angles from rope_theta"),
                      ("num_query_heads % num_kv_heads == 0", "num_query_heads must be a multiple of "
-                      "num_kv_heads: each kv head serves a group of query heads"))
+                      "num_kv_heads: each kv head serves a group of query heads"),
+                     ("pad_row < vocab_size", "pad_token_id must be a row of the embedding (below "
+                      "vocab_size): that row gets no gradient, as in torch.nn.Embedding(padding_idx=...)"))
 
     def _configure(self, args: dict[str, Any]) -> None:
         """The constructor's arguments become attributes, which the blocks' constructors read by name.
 
         HF defaults apply: ``num_kv_heads = num_query_heads``, ``head_size = d_model // num_query_heads``.
+        ``pad_token_id`` (HF's) is the embedding row that gets no gradient.
         RoPE comes from ``rope_theta`` or, when given, ``rope_scaling`` (transformers 4) or
         ``rope_parameters`` (transformers 5). HF's ``attention_bias`` biases o_proj as well as q, k, v.
         """
@@ -110,6 +113,7 @@ class _CausalLM:
             self.num_kv_heads = self.num_query_heads
         if self.head_size is None:
             self.head_size = self.d_model // self.num_query_heads
+        self.pad_row = -1 if self.pad_token_id is None else self.pad_token_id
         self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
         self.rope_is_default = rope.get("rope_type", rope.get("type", "default")) == "default"
         self.use_out_bias = self.use_qkv_bias
@@ -130,7 +134,7 @@ class _CausalLM:
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
-            x0 = g.embedding(token_ids, "embedding", out_name="x0")
+            x0 = g.embedding(token_ids, "embedding", padding_idx=self.pad_token_id, out_name="x0")
             residual0 = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
             xN, residualN = g.call("StackedBlocks", x0, residual0, position_ids, num_outputs=2,
                                    blocks="blocks", n_layers=self.n_layers, out_names=["xN", "residualN"])
@@ -149,6 +153,7 @@ _DENSE_HF = {
     "eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
     "use_qkv_bias": "attention_bias",
+    "pad_token_id": "pad_token_id",
 }
 
 
@@ -175,6 +180,7 @@ class LlamaModel(_CausalLM):
         rope_theta: float = 10000.0,
         use_qkv_bias: bool = False,
         tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
         mlp_bias: bool = False,
         rope_scaling: dict[str, Any] | None = None,
         rope_parameters: dict[str, Any] | None = None,
@@ -206,6 +212,7 @@ class Qwen3Model(_CausalLM):
         use_qkv_bias: bool = False,
         use_qk_norm: bool = True,
         tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
         rope_scaling: dict[str, Any] | None = None,
         rope_parameters: dict[str, Any] | None = None,
     ):
@@ -252,12 +259,13 @@ class Qwen3MoEModel(_CausalLM):
         num_kv_heads: int | None = 4,
         d_ff: int = 6144,
         max_seq: int = 40960,
-        head_size: int | None = 128,
+        head_size: int | None = None,  # transformers: hidden_size // num_attention_heads when absent
         eps: float = 1e-6,
         rope_theta: float = 1000000.0,
         use_qkv_bias: bool = False,
         use_qk_norm: bool = True,
         tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
         num_experts: int = 128,
         num_experts_per_tok: int = 8,
         moe_d_ff: int = 768,
@@ -282,7 +290,7 @@ class Qwen3MoEModel(_CausalLM):
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
-            x = g.embedding(token_ids, "embedding", out_name="x0")
+            x = g.embedding(token_ids, "embedding", padding_idx=self.pad_token_id, out_name="x0")
             residual = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
             if self.n_dense_layers:
                 x, residual = g.call("StackedBlocks", x, residual, position_ids, num_outputs=2,
@@ -322,6 +330,7 @@ class HyperConnectionModel(_CausalLM):
         use_qkv_bias: bool = False,
         use_qk_norm: bool = False,
         tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
     ):
         self._configure(locals())
 
@@ -333,7 +342,7 @@ class HyperConnectionModel(_CausalLM):
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
-            x0 = g.embedding(token_ids, "embedding", out_name="x0")
+            x0 = g.embedding(token_ids, "embedding", padding_idx=self.pad_token_id, out_name="x0")
             x0_4 = g.view(x0, shape=[B, T, 1, "d_model"], out_name="x0_4")
             h0_4 = g.custom("broadcast_to", x0_4, shape=[B, T, "n_streams", "d_model"], out_name="h0_4")
             h0 = g.view(h0_4, shape=[B, T, "n_streams * d_model"], out_name="h0")

@@ -39,7 +39,7 @@ def _int_input(ctx: InferContext, i: int, what: str) -> None:
 # --- embedding -----------------------------------------------------------------------------------
 
 
-def _embedding(ids: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _embedding(ids: np.ndarray, weight: np.ndarray, *, padding_idx: int | None = None) -> np.ndarray:
     _check_ids("embedding", ids, weight.shape[0])
     out: np.ndarray = weight[ids]
     return out
@@ -53,24 +53,28 @@ def _embedding_infer(ctx: InferContext) -> list[TensorType]:
     return [TensorType((*ctx.shape(0), w[1]), ctx.dtype(1))]
 
 
-def _embedding_out(ids: np.ndarray, weight: np.ndarray, *, out: Outs) -> None:
+def _embedding_out(ids: np.ndarray, weight: np.ndarray, *, out: Outs, padding_idx: int | None = None) -> None:
     _check_ids("embedding", ids, weight.shape[0])
     np.take(weight, ids, axis=0, out=out[0], mode="clip")  # ids checked; "raise" would buffer the result
 
 
-def _embedding_backward(d_out: np.ndarray, ids: np.ndarray, *, num_embeddings: int) -> np.ndarray:
+def _embedding_backward(d_out: np.ndarray, ids: np.ndarray, *, num_embeddings: int,
+                        padding_idx: int | None = None) -> np.ndarray:
     dw = np.empty((num_embeddings, d_out.shape[-1]), d_out.dtype)
-    _embedding_backward_out(d_out, ids, out=(dw,), num_embeddings=num_embeddings)
+    _embedding_backward_out(d_out, ids, out=(dw,), num_embeddings=num_embeddings, padding_idx=padding_idx)
     return dw
 
 
-def _embedding_backward_out(d_out: np.ndarray, ids: np.ndarray, *, out: Outs, num_embeddings: int) -> None:
+def _embedding_backward_out(d_out: np.ndarray, ids: np.ndarray, *, out: Outs, num_embeddings: int,
+                            padding_idx: int | None = None) -> None:
     _check_ids("embedding_backward", ids, num_embeddings)
     dw = out[0]
     assert dw is not None
     dw[...] = 0
     # repeated ids accumulate, in order of occurrence (unbuffered: no copy of d_out's rows)
     np.add.at(dw, ids.reshape(-1), d_out.reshape(-1, d_out.shape[-1]))
+    if padding_idx is not None:  # as torch.nn.Embedding(padding_idx=...): that row gets no gradient
+        dw[padding_idx] = 0
 
 
 def _embedding_backward_infer(ctx: InferContext) -> list[TensorType]:
@@ -83,7 +87,8 @@ def _embedding_backward_infer(ctx: InferContext) -> list[TensorType]:
 def _embedding_rule(ctx: BackwardContext) -> list[str | None]:
     if not ctx.needs_grad(1):
         return [None, None]
-    return [None, ctx.emit("embedding_backward", ctx.d_out, ctx.saved(0), num_embeddings=ctx.shape_of(1)[0])]
+    return [None, ctx.emit("embedding_backward", ctx.d_out, ctx.saved(0), num_embeddings=ctx.shape_of(1)[0],
+                           padding_idx=ctx.attrs.get("padding_idx"))]
 
 
 def _embedding_samples(rng: np.random.Generator) -> Iterator[Sample]:
@@ -424,21 +429,24 @@ def _fused_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any], bac
 _IGNORE = AttrSpec("ignore_index", "int", -100)
 _FUSED_ATTRS = (_IGNORE, AttrSpec("chunk_size", "int", 4096), AttrSpec("softcap", "float", None))
 
+_PADDING = AttrSpec("padding_idx", "int", None)
+
 CORE_OPS = [
     core_op(
         "embedding", ("token_ids", "weight"), ("out",), _embedding, _embedding_infer,
         backward=_embedding_rule, samples=_embedding_samples, nondiff_inputs={0}, out_kernel=_embedding_out,
-        cost=lambda s, a: Cost(bytes=8.0 * math.prod(s[0]) * s[1][1]),
-        doc="out[..., :] = weight[token_ids[...], :].",
+        attrs=(_PADDING,), cost=lambda s, a: Cost(bytes=8.0 * math.prod(s[0]) * s[1][1]),
+        doc="out[..., :] = weight[token_ids[...], :]. The row padding_idx (if set) gets no gradient, as in "
+            "torch.nn.Embedding.",
     ),
     core_op(
         "embedding_backward", ("d_out", "token_ids"), ("d_weight",), _embedding_backward,
-        _embedding_backward_infer, attrs=(AttrSpec("num_embeddings", "dim"),), nondiff_inputs={1},
+        _embedding_backward_infer, attrs=(AttrSpec("num_embeddings", "dim"), _PADDING), nondiff_inputs={1},
         out_kernel=_embedding_backward_out, samples=lambda rng: [
             Sample((randn(rng, 2, 5, 4), np.array([[1, 4, 1, 0, 6], [4, 4, 2, 1, 3]])),
                    {"num_embeddings": 7})],
         cost=lambda s, a: Cost(flops=float(math.prod(s[0])), bytes=8.0 * math.prod(s[0])),
-        doc="d_weight[i] = sum of d_out rows whose token id is i (scatter-add).",
+        doc="d_weight[i] = sum of d_out rows whose token id is i (scatter-add); 0 for i = padding_idx.",
     ),
     core_op(
         "cross_entropy", ("logits", "targets"), ("loss", "lse"), _cross_entropy, _cross_entropy_infer,
