@@ -163,3 +163,24 @@ def test_state_dict_carries_the_optimizers_own_state() -> None:
     assert a.train_step(_batch(2)) == b.train_step(_batch(2))
     with pytest.raises(KilnError, match="the state is of optimizer 'sgd'; this model trains with 'adamw'"):
         Model.from_ir(tiny_qwen3_bundle(), seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_schedules_follow_the_hf_trainer_step_convention(schedule: str) -> None:
+    """Update t takes the factor of scheduler step t - 1 (transformers' get_scheduler curves)."""
+    import math
+
+    total, warmup = 20, 5
+
+    def factor(s: int) -> float:  # transformers' lr_lambda, written out
+        if s < warmup:
+            return s / warmup
+        progress = (s - warmup) / (total - warmup)
+        return {"cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress,
+                "constant": 1.0}[schedule]
+
+    opt = SGD(lr=0.1, warmup_steps=warmup, total_steps=total, schedule=schedule)
+    assert [opt.lr_at(t) for t in range(1, total + 1)] == pytest.approx([0.1 * factor(t - 1)
+                                                                         for t in range(1, total + 1)])
+    with pytest.raises(KilnError, match="schedule"):
+        SGD(schedule="exponential")

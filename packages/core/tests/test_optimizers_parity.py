@@ -47,3 +47,22 @@ def test_adamw_groups_reproduce_torch(hf_groups: bool) -> None:
     got = kiln.parameters()
     for k, p in params.items():
         np.testing.assert_allclose(got[k], p.detach().numpy(), rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize(("schedule", "hf_name", "min_lr_ratio"), [
+    ("cosine", "cosine", 0.0), ("linear", "linear", 0.0), ("constant", "constant_with_warmup", 0.0),
+    ("cosine", "cosine_with_min_lr", 0.1)])
+def test_schedules_are_transformers_curves_point_by_point(schedule: str, hf_name: str,
+                                                          min_lr_ratio: float) -> None:
+    transformers = pytest.importorskip("transformers")
+    total, warmup, lr = 40, 7, 3e-3
+    param = torch.nn.Parameter(torch.zeros(1))
+    reference = torch.optim.SGD([param], lr=lr)
+    kwargs = {"scheduler_specific_kwargs": {"min_lr_rate": min_lr_ratio}} if min_lr_ratio else {}
+    scheduler = transformers.get_scheduler(hf_name, reference, num_warmup_steps=warmup,
+                                           num_training_steps=total, **kwargs)
+    opt = AdamW(lr=lr, warmup_steps=warmup, total_steps=total, schedule=schedule, min_lr_ratio=min_lr_ratio)
+    for step in range(1, total + 1):  # the HF Trainer: optimizer.step() with the current lr, then scheduler
+        assert opt.lr_at(step) == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12, abs=1e-15), step
+        reference.step()
+        scheduler.step()

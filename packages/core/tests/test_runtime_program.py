@@ -150,8 +150,9 @@ def test_numpy_kernels_equal_their_reference_kernels(name: str) -> None:
 
 def test_adamw_schedule_clipping_and_update() -> None:
     opt = AdamW(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1, max_grad_norm=2.0, weight_decay=0.1)
-    assert [opt.lr_at(s) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]
-    assert opt.lr_at(9) == pytest.approx(0.55) and opt.lr_at(14) == pytest.approx(0.1) == opt.lr_at(99)
+    # transformers' schedules as the HF Trainer steps them: update t gets the factor of step t - 1
+    assert [opt.lr_at(s) for s in (1, 2, 4, 5)] == [0.0, 0.25, 0.75, 1.0]
+    assert opt.lr_at(10) == pytest.approx(0.55) and opt.lr_at(15) == pytest.approx(0.1) == opt.lr_at(99)
     assert opt.clip_scale(1.0) == 1.0 and opt.clip_scale(4.0) == pytest.approx(0.5)
     with pytest.raises(KilnError, match="beta1 must be in"):
         AdamW(beta1=1.0)
@@ -175,5 +176,6 @@ def test_train_step_reports_metrics() -> None:
     loss, grads = model.loss_and_grads(batch["input_ids"], batch["labels"])
     stats = model.train_step(batch)
     norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
-    assert stats["loss"] == loss and stats["lr"] == 0.25 and stats["step"] == 1 and stats["tokens"] == 8
+    assert stats["loss"] == loss and stats["lr"] == 0.0 and stats["step"] == 1 and stats["tokens"] == 8
     assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert model.train_step(batch)["lr"] == 0.25 and model.train_step(batch)["lr"] == 0.5

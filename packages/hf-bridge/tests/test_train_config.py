@@ -113,7 +113,7 @@ def test_out_of_range(tmp_path: Path, text: str, key: str, expected: str) -> Non
     ("[train]\nmode = \"qlora\"\n", "train.mode", "'full', 'lora'"),
     ("[train]\nrecompute = \"auto-ish\"\n", "train.recompute", "'none', 'dsl', 'auto', 'block'"),
     ("[train]\nbackend = \"tpu\"\n", "train.backend", "'numpy'"),
-    ("[optimizer]\nschedule = \"linear\"\n", "optimizer.schedule", "'cosine', 'constant'"),
+    ("[optimizer]\nschedule = \"step\"\n", "optimizer.schedule", "'cosine', 'linear', 'constant'"),
     ("[model]\nsize = \"huge\"\n", "model.size", "'tiny', 'small', 'base'"),
 ], ids=["mode", "recompute", "backend", "schedule", "size"])
 def test_invalid_choices_list_the_valid_ones(tmp_path: Path, text: str, key: str, valid: str) -> None:

@@ -154,7 +154,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "weight_decay": Key("float", 0.0, check=_at_least(0)),
         "max_grad_norm": Key("float", 1.0, check=_at_least(0)),
         "warmup_steps": Key("int", 0, check=_at_least(0)),
-        "schedule": Key("str", "cosine", ("cosine", "constant")),
+        "schedule": Key("str", "cosine", ("cosine", "linear", "constant")),
         "min_lr_ratio": Key("float", 0.1, check=_within(0.0, 1.0, hi_open=False)),
         "momentum": Key("float", 0.0, check=_within(0.0, 1.0)),
         "nesterov": Key("bool", False),
@@ -720,7 +720,7 @@ class _Run:
         o = self.c["optimizer"]
         cls = get_registry("optimizers")[o["name"]]
         settings = {**o, "max_grad_norm": o["max_grad_norm"] or None,
-                    "total_steps": self.steps if o["schedule"] == "cosine" else None,
+                    "total_steps": self.steps,
                     "groups": () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
         fields = {a.name for a in attrs.fields(cls)}
         return cls(**{k: v for k, v in settings.items() if k in fields})

@@ -25,6 +25,11 @@ from kiln.core.plugins._registry import declare_kind
 __all__ = ["HF_TRAINER_GROUPS", "SGD", "AdamW", "Optimizer", "ParamGroup", "make_optimizer"]
 
 
+#: the learning-rate schedules after warm-up (transformers' ``constant_with_warmup``, ``linear``,
+#: ``cosine``; with ``min_lr_ratio``, ``cosine_with_min_lr``)
+SCHEDULES = ("cosine", "linear", "constant")
+
+
 def _positive(_: object, a: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise KilnError(f"{a.name} must be positive, found {value!r}")
@@ -33,6 +38,11 @@ def _positive(_: object, a: attrs.Attribute[float], value: float) -> None:
 def _fraction(_: object, a: attrs.Attribute[float], value: float) -> None:
     if not 0 <= value < 1:
         raise KilnError(f"{a.name} must be in [0, 1), found {value!r}")
+
+
+def _schedule(_: object, a: attrs.Attribute[str], value: str) -> None:
+    if value not in SCHEDULES:
+        raise KilnError(f"schedule={value!r} is not one of {', '.join(map(repr, SCHEDULES))}")
 
 
 def _nonnegative(_: object, a: attrs.Attribute[float], value: float) -> None:
@@ -93,11 +103,14 @@ def _groups(items: Iterable[ParamGroup | Mapping[str, Any]]) -> tuple[ParamGroup
 class Optimizer:
     """What every optimizer shares: the learning-rate schedule, gradient clipping, parameter groups.
 
-    The learning rate rises linearly over ``warmup_steps`` to ``lr``, then follows a cosine down to
-    ``lr * min_lr_ratio`` at ``total_steps`` (constant after that; with ``total_steps=None`` it stays
-    at ``lr``). Gradients are scaled so that their global L2 norm is at most ``max_grad_norm``
-    (``None``: no clipping). ``weight_decay`` is decoupled (``p -= lr * wd * p``) and applies to every
-    trained parameter unless a group in ``groups`` says otherwise.
+    The schedule is transformers' ``get_scheduler`` (as the HF Trainer steps it: update ``t`` uses
+    the factor of scheduler step ``t - 1``): the learning rate rises linearly from 0 over
+    ``warmup_steps``, then ``schedule`` decides: ``"cosine"`` follows a cosine down to
+    ``lr * min_lr_ratio`` at ``total_steps``, ``"linear"`` falls linearly to it, ``"constant"``
+    stays at ``lr`` (as do the others with ``total_steps=None``). Gradients are scaled so that their
+    global L2 norm is at most ``max_grad_norm`` (``None``: no clipping). ``weight_decay`` is
+    decoupled (``p -= lr * wd * p``) and applies to every trained parameter unless a group in
+    ``groups`` says otherwise.
     """
 
     name: ClassVar[str]
@@ -109,6 +122,7 @@ class Optimizer:
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
+    schedule: str = attrs.field(default="cosine", validator=_schedule)
     groups: tuple[ParamGroup, ...] = attrs.field(default=(), converter=_groups)
 
     @property
@@ -118,14 +132,14 @@ class Optimizer:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update number ``step`` (1-based)."""
-        if self.warmup_steps and step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
-        if self.total_steps is None:
+        s, w = step - 1, self.warmup_steps  # the scheduler's step, 0-based
+        if s < w:
+            return self.lr * s / max(1, w)
+        if self.total_steps is None or self.schedule == "constant":
             return self.lr
-        span = max(self.total_steps - self.warmup_steps, 1)
-        progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
-        cosine = 0.5 * (1 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+        progress = min((s - w) / max(1, self.total_steps - w), 1.0)
+        decay = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * decay)
 
     def clip_scale(self, grad_norm: float) -> float:
         """The factor applied to every gradient: 1, or ``max_grad_norm / grad_norm`` if that is smaller."""
