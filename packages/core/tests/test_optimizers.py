@@ -184,3 +184,21 @@ def test_schedules_follow_the_hf_trainer_step_convention(schedule: str) -> None:
                                                                          for t in range(1, total + 1)])
     with pytest.raises(KilnError, match="schedule"):
         SGD(schedule="exponential")
+
+
+def test_gradient_accumulation_equals_the_full_batch() -> None:
+    opt = AdamW(lr=0.05, weight_decay=0.1, max_grad_norm=0.5)
+    full, accumulated = (Model.from_ir(tiny_qwen3_bundle(), seed=0, dtype="float64", optimizer=opt)
+                         for _ in range(2))
+    for step in range(1, 4):
+        batch = random_batch(32, 4, 5, seed=step)
+        batch["labels"][1, :3] = -100  # the micro-batches hold different numbers of scored tokens
+        a = full.train_step(batch)
+        b = accumulated.train_step(batch, micro_batches=2)
+        assert b["tokens"] == a["tokens"] and b["loss"] == pytest.approx(a["loss"], rel=1e-12)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-12)
+    assert accumulated.memory_report()["peak"] < full.memory_report()["peak"]  # a micro-batch's Program
+    want, got = full.parameters(), accumulated.parameters()
+    assert all(np.allclose(got[k], want[k], rtol=1e-10, atol=1e-13) for k in want)
+    with pytest.raises(KilnError, match="micro_batches=3 must be a positive int dividing the batch of 4"):
+        accumulated.train_step(random_batch(32, 4, 5), micro_batches=3)

@@ -179,3 +179,17 @@ def test_train_step_reports_metrics() -> None:
     assert stats["loss"] == loss and stats["lr"] == 0.0 and stats["step"] == 1 and stats["tokens"] == 8
     assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert model.train_step(batch)["lr"] == 0.25 and model.train_step(batch)["lr"] == 0.5
+
+
+def test_programs_of_other_shapes_running_in_between_change_nothing() -> None:
+    """All Programs of a model share its arena: one shape's inputs may lie where another's position_ids
+    do, so every run writes its own inputs (a regression: positions were written once per Program)."""
+    big, small = random_batch(32, 4, 5, seed=1), random_batch(32, 2, 3, seed=2)
+    alone = Model.from_ir(tiny_qwen3_bundle(), seed=0)
+    mixed = Model.from_ir(tiny_qwen3_bundle(), seed=0)
+    assert mixed.train_step(big) == alone.train_step(big)
+    mixed.loss(small["input_ids"], small["labels"])  # an eval Program of another shape, in between
+    mixed.logits(small["input_ids"])
+    assert mixed.train_step(big) == alone.train_step(big)
+    assert all(np.array_equal(a, b) for a, b in zip(mixed.parameters().values(), alone.parameters().values(),
+                                                    strict=True))

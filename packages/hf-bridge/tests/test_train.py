@@ -125,8 +125,8 @@ def interrupt_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """Press Ctrl-C (a real SIGINT to this process) during optimizer step ``step``."""
     original = Model.train_step
 
-    def train_step(self: Model, batch: Any) -> dict[str, float]:
-        stats = original(self, batch)
+    def train_step(self: Model, batch: Any, **options: Any) -> dict[str, float]:
+        stats = original(self, batch, **options)
         if stats["step"] == step:
             signal.raise_signal(signal.SIGINT)
         return stats
@@ -356,3 +356,14 @@ def test_a_memory_budget_no_plan_meets(tmp_path: Path, corpus: Path) -> None:
     with pytest.raises(TrainConfigError, match="budget") as info:
         train(config, stream=io.StringIO())
     assert info.value.key == "train.memory_budget" and "train.memory_budget" in str(info.value)
+
+
+def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path: Path, corpus: Path) -> None:
+    """Two micro-batches of 2 per step give the losses of steps on batches of 4 (the same data)."""
+    runs = {}
+    for name, train_keys in (("whole", {"batch_size": 4}), ("accumulated", {"batch_size": 2,
+                                                                            "grad_accum_steps": 2})):
+        path = write_config(tmp_path / name, corpus, train={"steps": 4, "eval_every": 0,
+                                                            "checkpoint_every": 0, **train_keys})
+        runs[name] = train(path, stream=io.StringIO())["losses"]
+    np.testing.assert_allclose(runs["accumulated"], runs["whole"], rtol=1e-5)

@@ -136,6 +136,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "backend": Key("str", "numpy", lambda: _registered("backends")),
         "steps": Key("int", 100, check=_at_least(1)),
         "batch_size": Key("int", 8, check=_at_least(1)),
+        "grad_accum_steps": Key("int", 1, check=_at_least(1)),
         "seq_len": Key("int", 64, check=_at_least(1)),
         "recompute": Key("str", "dsl", _recompute_modes),
         "memory_budget": Key("budget"),
@@ -661,14 +662,18 @@ class _Run:
         from kiln.hf import PackedDataset
 
         data, t = self.c["data"], self.c["train"]
-        self.ds = PackedDataset(data["files"], tokenizer, seq_len=t["seq_len"], batch_size=t["batch_size"],
+        self.ds = PackedDataset(data["files"], tokenizer, seq_len=t["seq_len"],
+                                batch_size=t["batch_size"] * t["grad_accum_steps"],
                                 eos_token=eos, separator=data["separator"] or None, seed=data["seed"],
                                 validation_fraction=data["validation_fraction"], drop_last=True,
                                 cache_dir=self.dir / "cache")
         if len(self.ds) == 0:
             raise TrainingError(f"the data holds {self.ds.num_sequences} training sequences of "
-                                f"{t['seq_len']} tokens, fewer than train.batch_size = {t['batch_size']}",
-                                hint="add text to data.files, or lower train.batch_size or train.seq_len")
+                                f"{t['seq_len']} tokens, fewer than one step's "
+                                f"{t['batch_size'] * t['grad_accum_steps']} (train.batch_size x "
+                                "train.grad_accum_steps)",
+                                hint="add text to data.files, or lower train.batch_size, grad_accum_steps or "
+                                     "seq_len")
         self.say(f"data: {len(self.ds.tokens):,} tokens in {len(data['files'])} file(s), "
                  f"{self.ds.num_sequences:,} training sequences of {t['seq_len']} ({len(self.ds):,} "
                  f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out")
@@ -851,7 +856,7 @@ class _Run:
             batch = next(batches)
             before = self.model.parameters() if self.debug_nans else None
             with np.errstate(all="ignore"):  # a non-finite loss is reported below, naming its step
-                stats = self.model.train_step(batch)
+                stats = self.model.train_step(batch, micro_batches=self.c["train"]["grad_accum_steps"])
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 raise self.nonfinite(step, stats, batch, before)
             record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],

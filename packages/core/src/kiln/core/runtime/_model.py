@@ -224,22 +224,24 @@ class Model:
             self._arena = arena
             self._bound.clear()
         if key not in self._bound:
-            ex = self.backend.compile(prog, self._arena, self.target.kernels)
-            if "position_ids" in prog.tensors:  # the same for every batch of this shape
-                shape = prog.tensors["position_ids"].shape
-                ex.write("position_ids", np.broadcast_to(np.arange(key[2]), shape))
-            self._bound[key] = ex
+            self._bound[key] = self.backend.compile(prog, self._arena, self.target.kernels)
         if task == "train":
             self._last = key
         return prog, self._bound[key]
 
-    def _feed(self, task: str, input_ids: Any, labels: Any = None) -> tuple[Any, int]:
+    def _feed(self, task: str, input_ids: Any, labels: Any = None,
+              tokens: int | None = None) -> tuple[Any, int]:
+        """Write a batch into the Program of its shape; ``tokens``: the positions the loss is a mean
+        over (default: this batch's; a micro-batch's share of a larger batch otherwise)."""
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise KilnError("input_ids must be an integer array [batch, seq], "
                             f"found {ids.dtype} {list(ids.shape)}")
         prog, ex = self._bind(task, *ids.shape)
         ex.write("token_ids", ids)
+        if "position_ids" in prog.tensors:  # every time: another shape's Program may use those bytes
+            positions = prog.tensors["position_ids"].shape
+            ex.write("position_ids", np.broadcast_to(np.arange(ids.shape[1]), positions))
         count = 0
         if labels is not None:
             lab = np.asarray(labels)
@@ -252,7 +254,7 @@ class Model:
             count = int(np.count_nonzero(mask))
             if "d_loss" in prog.tensors:  # d(mean loss)/d(per-token loss) = mask / count
                 dt = np.dtype(prog.tensors["d_loss"].dtype)
-                ex.write("d_loss", mask.astype(dt) / dt.type(max(count, 1)))
+                ex.write("d_loss", mask.astype(dt) / dt.type(max(count if tokens is None else tokens, 1)))
         return ex, count
 
     def _loss(self, ex: Any, count: int) -> float:
@@ -283,15 +285,41 @@ class Model:
         prog = ex.program
         return self._loss(ex, count), {p.name: ex.read(p.grad) for p in prog.params if p.grad}
 
-    def train_step(self, batch: Mapping[str, Any]) -> dict[str, float]:
+    def train_step(self, batch: Mapping[str, Any], *, micro_batches: int = 1) -> dict[str, float]:
         """Forward, backward, gradient synchronisation and one optimizer update.
 
-        Returns loss, grad_norm (before clipping), lr, step and tokens (positions not ignored)."""
-        ex, count = self._feed("train", batch["input_ids"], batch["labels"])
+        ``micro_batches`` > 1 accumulates gradients: the batch is cut into that many equal parts along
+        its first dimension, each runs forward and backward on the Program of its size (memory as for
+        one part), and the update applies the gradient of the whole batch's mean loss (as HF's
+        ``gradient_accumulation_steps``, up to the order of the float sums). Returns loss, grad_norm
+        (before clipping), lr, step and tokens (positions not ignored)."""
+        if micro_batches == 1:
+            ex, count = self._feed("train", batch["input_ids"], batch["labels"])
+            self.step += 1
+            stats = ex.run(PHASES, hyper={"step": self.step, "optimizer": self.optimizer})
+            return {"loss": self._loss(ex, count), "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                    "step": float(self.step), "tokens": float(count)}
+        ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+        if not isinstance(micro_batches, int) or micro_batches < 1 or ids.ndim != 2 \
+                or ids.shape[0] % micro_batches:
+            raise KilnError(f"micro_batches={micro_batches!r} must be a positive int dividing the batch "
+                            f"of {ids.shape[0] if ids.ndim else 0} sequences")
+        tokens = int(np.count_nonzero(labels != IGNORE_INDEX))
         self.step += 1
-        stats = ex.run(PHASES, hyper={"step": self.step, "optimizer": self.optimizer})
-        return {"loss": self._loss(ex, count), "grad_norm": stats["grad_norm"], "lr": stats["lr"],
-                "step": float(self.step), "tokens": float(count)}
+        hyper = {"step": self.step, "optimizer": self.optimizer}
+        loss, total = 0.0, None
+        for part_ids, part_labels in zip(np.split(ids, micro_batches), np.split(labels, micro_batches),
+                                         strict=True):
+            ex, _ = self._feed("train", part_ids, part_labels, tokens=tokens)
+            ex.run(("forward", "backward"), hyper=hyper)
+            loss += float(np.sum(ex.read("loss")))
+            grads = {p.grad: ex.read(p.grad) for p in ex.program.params if p.grad}
+            total = grads if total is None else {k: total[k] + g for k, g in grads.items()}
+        for key, g in (total or {}).items():
+            ex.write(key, g)
+        stats = ex.run(("grad_sync", "optimizer"), hyper=hyper)
+        return {"loss": loss / tokens if tokens else 0.0, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
+                "step": float(self.step), "tokens": float(tokens)}
 
     def memory_report(self, batch: int | None = None, seq: int | None = None) -> dict[str, Any]:
         """The planned memory of the training Program for (batch, seq), by default the last one run."""
