@@ -109,7 +109,11 @@ def test_a_run_writes_every_output(tmp_path: Path, corpus: Path) -> None:
     # the HF model: the trained weights, the same logits as the model the config describes
     model_dir = summary["model"]
     assert {p.name for p in model_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
-                                                    "tokenizer_config.json"}
+                                                    "tokenizer_config.json", "generation_config.json"}
+    eos_id = load_tokenizer(model_dir).token_to_id("<|endoftext|>")
+    assert eos_id is not None
+    assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == eos_id
+    assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == eos_id
     loaded = from_pretrained(model_dir)
     assert loaded.architecture == "Qwen3ForCausalLM"
     got = loaded.parameters()
@@ -367,3 +371,22 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path: Path, corpus:
                                                             "checkpoint_every": 0, **train_keys})
         runs[name] = train(path, stream=io.StringIO())["losses"]
     np.testing.assert_allclose(runs["accumulated"], runs["whole"], rtol=1e-5)
+
+
+@pytest.mark.parity
+def test_a_model_trained_from_scratch_generates_in_transformers(tmp_path: Path, corpus: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = write_config(tmp_path, corpus, train={"steps": 2, "eval_every": 0, "checkpoint_every": 0})
+    summary = train(config, stream=io.StringIO())
+    folder = summary["model"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer("def f(x):", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5 or int(out[0, -1]) == model.generation_config.eos_token_id
+    assert model.generation_config.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kiln_logits = from_pretrained(folder).logits(ids.numpy())
+    with torch.no_grad():
+        np.testing.assert_allclose(kiln_logits, model(ids).logits.numpy(), rtol=1e-4, atol=1e-4)

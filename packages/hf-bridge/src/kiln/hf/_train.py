@@ -418,6 +418,20 @@ def hf_config_of(bundle: Any) -> dict[str, Any]:
     return out
 
 
+def _generation_config(folder: Path, eos_id: int | None) -> None:
+    """What ``generate`` reads: the eos (and, if the model has one, pad) token id in ``config.json``
+    and a ``generation_config.json``, as transformers writes them."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    ids = {k: v for k, v in (("eos_token_id", eos_id), ("pad_token_id", config.get("pad_token_id")))
+           if v is not None}
+    for key, value in ids.items():
+        config.setdefault(key, value)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    generation = {**{k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
+                  "_from_model_config": True}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+
+
 def _scratch_tensors(bundle: Any, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The HF tensors of a model built from the DSL: its weight mappings inverted. A fused tensor is
     cut along the parameter's LoRA-target slices, which the DSL declares for its sources, in order."""
@@ -900,6 +914,8 @@ class _Run:
             model = self.model
             out = summary["model"] = _replace_dir(self.dir / "model", lambda d: save_pretrained(model, d))
         save_tokenizer(tokenizer, out, eos_token=eos)
+        if self.mode != "lora":
+            _generation_config(out, tokenizer.token_to_id(eos))
         before, after = summary["eval_loss_before"], summary["eval_loss_after"]
         if before is not None and after is not None:
             self.say(f"eval loss {before:.4f} -> {after:.4f} ({100 * (1 - after / before):.0f}% lower) in "
