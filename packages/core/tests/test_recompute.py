@@ -714,3 +714,13 @@ def test_a_budget_that_is_neither_is_an_error_naming_it(bad: object) -> None:
 
     with pytest.raises(KilnError, match=re.escape(repr(bad))):
         parse_budget(bad)
+
+
+def test_kiln_plan_refuses_config_keys_the_model_does_not_take(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kiln.dsl")
+    for config, culprit, close in (('{"size": "tiny"}', "size", "head_size"),
+                                   ('{"n_layerz": 2}', "n_layerz", "n_layers")):
+        assert main(["plan", "Qwen3Model", "--config", config]) == 2
+        err = capsys.readouterr().err
+        assert f"{culprit!r} is not a config key of Qwen3Model (did you mean {close!r}?)" in err, err
+        assert "Traceback" not in err

@@ -252,3 +252,14 @@ def test_examples_are_valid_configs() -> None:
 def test_a_moe_model_from_scratch_is_accepted(tmp_path: Path) -> None:
     """Its stacked experts export to per-expert HF tensors (test_train checks the round trip)."""
     load_train_config(config(tmp_path, "", base=BASE.replace("Qwen3Model", "Qwen3MoEModel")))
+
+
+def test_a_model_config_key_the_model_does_not_take_names_it_and_the_closest(tmp_path: Path) -> None:
+    message = error(tmp_path, "", "model.config.n_layerz",
+                    base=BASE.replace("[model]\n", "[model]\nconfig = {n_layerz = 2}\n"))
+    assert "did you mean 'n_layers'" in message and "Qwen3Model takes" in message
+
+
+def test_a_key_of_the_model_section_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    message = error(tmp_path, "", "model.n_layerz", base=BASE.replace("[model]\n", "[model]\nn_layerz = 2\n"))
+    assert "n_layerz" in message

@@ -9,7 +9,13 @@ needs it.
 from importlib.metadata import version
 
 from kiln.dsl._builder import GraphBuilder, GraphRef, graph
-from kiln.dsl._compiler import build_bundle, compile_model, compile_model_for_hf
+from kiln.dsl._compiler import (
+    build_bundle,
+    compile_model,
+    compile_model_for_hf,
+    config_keys,
+    unknown_config_keys,
+)
 from kiln.dsl._decorators import (
     Activation,
     Gradient,
@@ -68,6 +74,7 @@ __all__ = [
     "build_bundle",
     "compile_model",
     "compile_model_for_hf",
+    "config_keys",
     "extends",
     "forward",
     "fuse",
@@ -93,4 +100,5 @@ __all__ = [
     "stack_experts",
     "tied_to",
     "transform",
+    "unknown_config_keys",
 ]

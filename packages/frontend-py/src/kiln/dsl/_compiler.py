@@ -1308,6 +1308,27 @@ def _parse_config(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
+def config_keys(name_or_class: Any) -> list[str] | None:
+    """The config keys a DSL model takes (its constructor's parameters), or None if it takes any."""
+    init = _resolve(name_or_class).__init__  # type: ignore[misc]
+    if init is object.__init__:
+        return None
+    params = list(inspect.signature(init).parameters.values())[1:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def unknown_config_keys(name_or_class: Any, config: Mapping[str, Any]) -> list[tuple[str, str | None]]:
+    """Keys of ``config`` the model does not take, each with the closest key it does take (or None)."""
+    import difflib
+
+    keys = config_keys(name_or_class)
+    if keys is None:
+        return []
+    return [(k, next(iter(difflib.get_close_matches(k, keys, n=1)), None)) for k in config if k not in keys]
+
+
 def _resolve(name_or_class: Any) -> type:
     if isinstance(name_or_class, str):
         cls = _lookup_name(name_or_class)

@@ -386,6 +386,13 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
 
     model, seq, file = config["model"], config["train"]["seq_len"], config.file
     given = dict(model["config"])
+    from kiln.dsl import config_keys, unknown_config_keys
+
+    for key, close in unknown_config_keys(model["name"], given):
+        takes = ", ".join(config_keys(model["name"]) or [])
+        raise TrainConfigError(f"is not a config key of {model['name']}"
+                               + (f" (did you mean {close!r}?)" if close else ""), key=f"model.config.{key}",
+                               file=file, hint=f"{model['name']} takes {takes}")
     vocab = vocab_size or config["data"]["vocab_size"]
     if vocab_size is not None and given.get("vocab_size", vocab) < vocab:
         raise TrainConfigError(f"{given['vocab_size']} is below the tokenizer's {vocab} tokens",

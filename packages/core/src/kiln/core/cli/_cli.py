@@ -150,11 +150,15 @@ def _load_model(name: str, config: str | None) -> Any:
         if not isinstance(cfg, dict):
             raise KilnError(f"--config must be a JSON object, found {type(cfg).__name__}")
     try:
-        build_bundle = importlib.import_module("kiln.dsl").build_bundle
+        dsl = importlib.import_module("kiln.dsl")
     except ImportError:
         raise KilnError(f"model {name!r}: registered model names come from kiln-dsl, which is not installed",
                         hint="pip install kiln-dsl, or pass an IR Bundle .json file") from None
-    return build_bundle(name, cfg)
+    for key, close in dsl.unknown_config_keys(name, cfg):
+        raise KilnError(f"--config: {key!r} is not a config key of {name}"
+                        + (f" (did you mean {close!r}?)" if close else ""),
+                        hint=f"{name} takes {', '.join(dsl.config_keys(name) or [])}")
+    return dsl.build_bundle(name, cfg)
 
 
 def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
