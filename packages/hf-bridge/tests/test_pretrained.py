@@ -466,3 +466,15 @@ def test_the_pad_token_row_gets_no_gradient(tmp_path: Path) -> None:
     with pytest.raises(KilnError, match="pad_token_id must be a row of the embedding"):
         write(tmp_path / "bad", {**LLAMA, "pad_token_id": LLAMA["vocab_size"]})
         from_pretrained(tmp_path / "bad")
+
+
+def test_a_model_made_from_scratch_starts_with_a_zero_padding_row() -> None:
+    from kiln.dsl import build_bundle
+
+    config = {"vocab_size": 64, "d_model": 32, "n_layers": 1, "num_query_heads": 4, "num_kv_heads": 2,
+              "head_size": 8, "d_ff": 64, "max_seq": 16}
+    padded = Model.from_ir(build_bundle("Qwen3Model", {**config, "pad_token_id": 3}), seed=0)
+    padded = padded.parameter("embedding")
+    plain = Model.from_ir(build_bundle("Qwen3Model", config), seed=0).parameter("embedding")
+    assert not padded[3].any() and plain[3].any()  # as transformers' _init_weights for padding_idx
+    assert np.array_equal(np.delete(padded, 3, axis=0), np.delete(plain, 3, axis=0))

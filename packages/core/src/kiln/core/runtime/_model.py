@@ -113,8 +113,14 @@ class Model:
         """(Re)initialise every parameter from its init spec, drawing from one generator seeded ``seed``."""
         rng = np.random.default_rng(seed)
         default_std = float(self._model.config.get("initializer_range", 0.02))
+        padding = {op.inputs[1]: int(op.attrs["padding_idx"]) for op in self._model.forward.ops
+                   if op.type == "embedding" and op.attrs.get("padding_idx") is not None} \
+            if self._model.forward is not None else {}
         for key, spec, shape, _ in self._params:
-            self._write(key, init_value(spec.init, shape, rng, default_std, key))
+            value = init_value(spec.init, shape, rng, default_std, key)
+            if key in padding:  # as torch.nn.Embedding(padding_idx=...): the padding row starts at 0
+                value[padding[key]] = 0.0
+            self._write(key, value)
 
     def _read(self, name: str) -> np.ndarray:
         offset, shape = self._where[name]
