@@ -263,3 +263,19 @@ def test_a_model_config_key_the_model_does_not_take_names_it_and_the_closest(tmp
 def test_a_key_of_the_model_section_that_does_not_exist_is_refused(tmp_path: Path) -> None:
     message = error(tmp_path, "", "model.n_layerz", base=BASE.replace("[model]\n", "[model]\nn_layerz = 2\n"))
     assert "n_layerz" in message
+
+
+def test_optimizer_parameter_groups_come_from_the_toml(tmp_path: Path) -> None:
+    from kiln.core import ParamGroup
+
+    groups = ('[[optimizer.groups]]\nparams = "blocks.*.attn*"\nlr_scale = 0.5\n'
+              '[[optimizer.groups]]\nroles = ["bias", "norm"]\nweight_decay = 0.0\n')
+    path = config(tmp_path, "[optimizer]\nweight_decay = 0.1\n" + groups)
+    c = load_train_config(path)
+    assert c["optimizer"]["groups"] == [ParamGroup(params="blocks.*.attn*", lr_scale=0.5),
+                                        ParamGroup(roles=("bias", "norm"), weight_decay=0.0)]
+    json.dumps(c.fingerprint())  # a resumed run compares them
+    message = error(tmp_path, "[optimizer]\n[[optimizer.groups]]\nroles = \"norms\"\n", "optimizer.groups")
+    assert "parameter role 'norms' is not one of" in message
+    unknown = error(tmp_path, "[optimizer]\n[[optimizer.groups]]\nrate = 1\n", "optimizer.groups")
+    assert "params, roles" in unknown

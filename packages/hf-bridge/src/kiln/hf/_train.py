@@ -160,6 +160,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "momentum": Key("float", 0.0, check=_within(0.0, 1.0)),
         "nesterov": Key("bool", False),
         "decay_norms_and_biases": Key("bool", False),
+        "groups": Key("groups", None),
     },
     "lora": {
         "r": Key("int", 8, check=_at_least(1)),
@@ -171,6 +172,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 }
 _KINDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "true or false", "path": "a path",
           "paths": "a path or a list of paths", "table": "a table",
+          "groups": "a list of tables ([[optimizer.groups]] with params, roles, weight_decay, lr_scale)",
           "targets": "a string or a list of strings",
           "budget": "bytes (an int or a string such as \"64MiB\") or a fraction (0.5 or \"50%\")"}
 
@@ -202,6 +204,8 @@ def _jsonable(v: Any) -> Any:
         return [_jsonable(x) for x in v]
     if isinstance(v, Mapping):
         return {k: _jsonable(x) for k, x in v.items()}
+    if attrs.has(type(v)):  # a parameter group
+        return _jsonable(attrs.asdict(v))
     return v
 
 
@@ -229,6 +233,17 @@ def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> An
         raise wrong
     if kind == "table" and not isinstance(value, dict):
         raise wrong
+    if kind == "groups":
+        from kiln.core import ParamGroup
+
+        if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+            raise wrong
+        try:
+            return [ParamGroup(**g) for g in value]
+        except TypeError as e:
+            raise bad(f"{e}; a group takes params, roles, weight_decay and lr_scale") from None
+        except KilnError as e:
+            raise bad(e.message) from None
     if kind in ("paths", "targets"):
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
@@ -739,15 +754,14 @@ class _Run:
     def build_optimizer(self) -> Any:
         """The ``[optimizer]`` table as an optimizer: ``name`` picks a registered one (core's ``adamw``
         and ``sgd``, or a plugin's), which takes the settings it declares."""
-        import attrs
-
         from kiln.core import HF_TRAINER_GROUPS, get_registry
 
         o = self.c["optimizer"]
         cls = get_registry("optimizers")[o["name"]]
         settings = {**o, "max_grad_norm": o["max_grad_norm"] or None,
                     "total_steps": self.steps,
-                    "groups": () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
+                    "groups": o["groups"] if o["groups"] is not None else
+                    () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
         fields = {a.name for a in attrs.fields(cls)}
         return cls(**{k: v for k, v in settings.items() if k in fields})
 
