@@ -193,3 +193,21 @@ def test_programs_of_other_shapes_running_in_between_change_nothing() -> None:
     assert mixed.train_step(big) == alone.train_step(big)
     assert all(np.array_equal(a, b) for a, b in zip(mixed.parameters().values(), alone.parameters().values(),
                                                     strict=True))
+
+
+def test_the_ignored_label_is_the_loss_ops_ignore_index() -> None:
+    bundle = tiny_qwen3_bundle()
+    model_ir = bundle.module(bundle.entry)
+    ops = [op.evolve(attrs={**op.attrs, "ignore_index": 7}) if op.type == "fused_lm_head_loss" else op
+           for op in model_ir.forward.ops]
+    changed = model_ir.evolve(forward=model_ir.forward.evolve(ops=ops))
+    custom = bundle.evolve(modules=[changed if m is model_ir else m for m in bundle.modules])
+    batch = random_batch(32, 2, 5, seed=3)
+    batch["labels"] = np.where(batch["labels"] == 7, 8, np.abs(batch["labels"]) % 32)  # no other ignored
+    batch["labels"][:, :2] = 7
+    default, seven = Model.from_ir(bundle, seed=0), Model.from_ir(custom, seed=0)
+    assert (default.ignore_index, seven.ignore_index) == (-100, 7)
+    stats = seven.train_step(batch)
+    assert stats["tokens"] == 6  # 10 positions, 4 labelled 7
+    other = dict(batch, labels=np.where(batch["labels"] == 7, -100, batch["labels"]))
+    assert default.train_step(other)["loss"] == pytest.approx(stats["loss"], rel=1e-6)

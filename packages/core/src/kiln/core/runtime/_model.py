@@ -30,7 +30,9 @@ from kiln.core.plan._program import (
     persistent_layout,
 )
 
+#: the label of a position the loss ignores, unless the model's loss op says otherwise
 IGNORE_INDEX = -100
+LOSS_OPS = ("fused_lm_head_loss", "cross_entropy")
 INITS = ("normal", "uniform", "ones", "zeros")
 
 
@@ -55,8 +57,9 @@ def init_value(init: Mapping[str, Any], shape: tuple[int, ...], rng: np.random.G
 class Model:
     """A model compiled from IR, its weights and its optimizer state, all in one arena on ``backend``.
 
-    ``labels[b, t]`` is the target of position ``t`` (already shifted: the next token), or -100 to
-    ignore the position. The loss is the mean over the positions not ignored. ``recompute`` and
+    ``labels[b, t]`` is the target of position ``t`` (already shifted: the next token), or the loss
+    op's ``ignore_index`` (``Model.ignore_index``, -100 by default) to ignore the position. The loss
+    is the mean over the positions not ignored. ``recompute`` and
     ``recompute_budget`` choose the recompute plan of every training Program (see ``compile``).
     ``optimizer``: an :class:`~kiln.core.Optimizer` (default ``AdamW()``), a registered name or a dict
     ``{"name": ..., **settings}``. ``init``: ``"random"`` (each parameter's init spec, from ``seed``)
@@ -97,6 +100,10 @@ class Model:
         self._last: tuple[str, int, int] | None = None  # the last training Program run
         self._arena = self.backend.allocate(self._persistent)
         self._tied = {spec.name: spec.tied_to for spec in self._model.params if spec.tied_to is not None}
+        #: the label the model's loss op ignores (its ``ignore_index`` attribute)
+        self.ignore_index = next((int(op.attrs.get("ignore_index", IGNORE_INDEX))
+                                  for op in (self._model.forward.ops if self._model.forward else ())
+                                  if op.type in LOSS_OPS), IGNORE_INDEX)
         if init == "random":
             self.init_parameters(seed)
         if weights is not None:
@@ -256,7 +263,7 @@ class Model:
                                 f"found {lab.dtype} {list(lab.shape)}")
             if "targets" in prog.tensors:
                 ex.write("targets", lab)
-            mask = lab != IGNORE_INDEX
+            mask = lab != self.ignore_index
             count = int(np.count_nonzero(mask))
             if "d_loss" in prog.tensors:  # d(mean loss)/d(per-token loss) = mask / count
                 dt = np.dtype(prog.tensors["d_loss"].dtype)
@@ -310,7 +317,7 @@ class Model:
                 or ids.shape[0] % micro_batches:
             raise KilnError(f"micro_batches={micro_batches!r} must be a positive int dividing the batch "
                             f"of {ids.shape[0] if ids.ndim else 0} sequences")
-        tokens = int(np.count_nonzero(labels != IGNORE_INDEX))
+        tokens = int(np.count_nonzero(labels != self.ignore_index))
         self.step += 1
         hyper = {"step": self.step, "optimizer": self.optimizer}
         loss, total = 0.0, None
