@@ -478,3 +478,16 @@ def test_a_model_made_from_scratch_starts_with_a_zero_padding_row() -> None:
     plain = Model.from_ir(build_bundle("Qwen3Model", config), seed=0).parameter("embedding")
     assert not padded[3].any() and plain[3].any()  # as transformers' _init_weights for padding_idx
     assert np.array_equal(np.delete(padded, 3, axis=0), np.delete(plain, 3, axis=0))
+
+
+def test_kiln_plan_plans_a_hf_checkpoint_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kiln.core.cli import main
+
+    write(tmp_path / "ckpt", LLAMA)
+    assert main(["plan", str(tmp_path / "ckpt"), "--batch", "2", "--seq", "8", "--recompute", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaModel" in out and out.count("DenseTransformerBlock") == LLAMA["num_hidden_layers"]
+    saved = next(line for line in out.splitlines() if line.strip().startswith("saved_activations"))
+    assert saved.split()[1] != "0", saved  # a real plan: activations are saved
+    assert main(["plan", str(tmp_path / "ckpt"), "--config", "{}"]) == 2
+    assert "a checkpoint's config.json sets its model" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from importlib.metadata import version
 
 from kiln.hf._data import IGNORE_INDEX, PackedDataset
 from kiln.hf._errors import CheckpointError, DataError, HFConfigError
-from kiln.hf._pretrained import PretrainedModel, from_pretrained, shift_labels
+from kiln.hf._pretrained import PretrainedModel, config_bundle, from_pretrained, shift_labels
 from kiln.hf._rope import ROPE_TYPES, rope_inv_freq, rope_parameters, rope_table
 from kiln.hf._safetensors import Checkpoint, TensorInfo, open_checkpoint, parse_size, save_checkpoint
 from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer, save_tokenizer, train_bpe_tokenizer
@@ -35,6 +35,7 @@ __all__ = [
     "TrainConfigError",
     "TrainingError",
     "__version__",
+    "config_bundle",
     "from_pretrained",
     "load_tokenizer",
     "load_train_config",

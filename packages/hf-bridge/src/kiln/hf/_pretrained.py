@@ -123,6 +123,12 @@ def _dsl_config(config: Mapping[str, Any], arch: str, file: Path) -> tuple[dict[
     return out, table
 
 
+def config_bundle(folder: str | Path) -> Bundle:
+    """The kiln IR of the model a HF checkpoint folder's ``config.json`` describes (no weights read):
+    what ``kiln plan FOLDER`` plans."""
+    return compile_config(*read_config(folder))[0]
+
+
 def compile_config(config: Mapping[str, Any], file: str | Path = CONFIG_NAME) -> tuple[Bundle, str]:
     """The kiln IR of a HF config (a ``config.json`` as a dict) and the architecture it names.
 

@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def configure_plan(p: argparse.ArgumentParser) -> None:
     from kiln.core.plan.recompute import MODES
 
-    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model) or an IR Bundle .json file")
+    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model), an IR Bundle .json file, or a "
+                                 "HF checkpoint folder (with kiln-hf)")
     p.add_argument("--config", default=None,
                    help="the model's config: a JSON object, or a .json file holding one (DSL models)")
     p.add_argument("--mode", choices=("full", "lora"), default="full", help="training mode (default full)")
@@ -135,6 +136,16 @@ def _load_model(name: str, config: str | None) -> Any:
 
     from kiln.core.ir._ir import from_json
 
+    if Path(name).is_dir():  # a HF checkpoint folder: its config.json, through kiln-hf
+        try:
+            hf = importlib.import_module("kiln.hf")
+        except ImportError:
+            raise KilnError(f"{name!r} is a folder: planning a HF checkpoint needs kiln-hf, which is not "
+                            "installed", hint="pip install kiln-hf") from None
+        if config:
+            raise KilnError("--config applies to kiln-dsl model names; a checkpoint's config.json sets "
+                            "its model")
+        return hf.config_bundle(name)
     if name.endswith(".json") or Path(name).is_file():
         path = Path(name)
         if not path.is_file():
