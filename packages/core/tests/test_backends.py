@@ -126,3 +126,14 @@ def test_a_model_is_built_from_ir_with_an_init_policy_or_weights() -> None:
     assert given.trainable == {k: True for k in drawn.parameters()}
     with pytest.raises(KilnError, match="init='xavier' is not valid"):
         Model.from_ir(tiny_qwen3_bundle(), init="xavier")
+
+
+def test_an_init_spec_can_start_a_row_at_zero() -> None:
+    from kiln.core import init_value
+
+    rng = np.random.default_rng(0)
+    assert not init_value({"zero_row": 2}, (4, 3), rng, 0.02, "w")[2].any()
+    named = init_value({"kind": "uniform", "low": 1, "high": 2, "zero_row": "pad"}, (4, 3), rng, 0.02, "w",
+                       {"pad": 1})
+    assert not named[1].any() and named[[0, 2, 3]].all()
+    assert init_value({"zero_row": "pad"}, (4, 3), rng, 0.02, "w", {"pad": None}).all()  # no padding row

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.core import Diagnostic, KilnError, TensorType, op_registry
@@ -563,20 +563,7 @@ class _Compiler:
 
     def run_forward(self, builder: GraphBuilder, spec: ModuleSpec, inputs: list[Any]) -> list[GraphRef]:
         loc = function_location(spec.forward)  # type: ignore[arg-type]
-        try:
-            with active(builder):
-                result = spec.forward(builder.obj, *inputs)  # type: ignore[misc]
-        except DSLError:
-            raise
-        except KilnError as exc:
-            raise error(exc.code or "E001", exc.message, exc.hint, traceback_location(exc) or loc) from None
-        except Exception as exc:
-            raise error(
-                "E001",
-                f"could not capture the forward graph of {spec.name}: {type(exc).__name__}: {exc}",
-                "the forward method runs once at compile time with GraphRef placeholders for tensors",
-                traceback_location(exc) or loc,
-            ) from None
+        result = _capture(builder, spec.forward, inputs, "forward", spec.name, loc)  # type: ignore[arg-type]
         outs = list(iter_refs([result])) if result is not None else (builder._state.outputs or [])
         if not outs or (result is not None and not isinstance(result, (GraphRef, tuple, list))):
             raise error(
@@ -701,20 +688,7 @@ class _Compiler:
             )
         pairs = zip(args, graph.outputs, strict=True)
         inputs = [b.declare(f"d_{d.name}", d.type, "input", arg) for arg, d in pairs]
-        try:
-            with active(b):
-                result = fn(b.obj, *inputs)
-        except DSLError:
-            raise
-        except KilnError as exc:
-            raise error(exc.code or "E001", exc.message, exc.hint, traceback_location(exc) or loc) from None
-        except Exception as exc:
-            raise error(
-                "E001",
-                f"could not capture the backward graph of {spec.name}: {type(exc).__name__}: {exc}",
-                "the backward method runs once at compile time with GraphRef placeholders for tensors",
-                traceback_location(exc) or loc,
-            ) from None
+        result = _capture(b, fn, inputs, "backward", spec.name, loc)
         outs = list(iter_refs([result])) if result is not None else (state.outputs or [])
         finalize_names(state)
         leaves = {f"d_{d.name}" for d in (*graph.inputs, *graph.params)}
@@ -1306,6 +1280,26 @@ def _parse_config(config: Any) -> dict[str, Any]:
             user_location(),
         )
     return dict(config)
+
+
+def _capture(builder: GraphBuilder, fn: Callable[..., Any], inputs: list[Any], what: str, name: str,
+             loc: str | None) -> Any:
+    """Run a module's ``forward`` or ``backward`` method once with placeholder tensors; any failure
+    becomes a diagnostic at the user's line."""
+    try:
+        with active(builder):
+            return fn(builder.obj, *inputs)
+    except DSLError:
+        raise
+    except KilnError as exc:
+        raise error(exc.code or "E001", exc.message, exc.hint, traceback_location(exc) or loc) from None
+    except Exception as exc:
+        raise error(
+            "E001",
+            f"could not capture the {what} graph of {name}: {type(exc).__name__}: {exc}",
+            f"the {what} method runs once at compile time with GraphRef placeholders for tensors",
+            traceback_location(exc) or loc,
+        ) from None
 
 
 def config_keys(name_or_class: Any) -> list[str] | None:

@@ -402,9 +402,10 @@ class _Parameters(Mapping[str, np.ndarray]):
 
     def __init__(self, model: Model) -> None:
         self.model, self.names = model, list(model.parameter_specs())
+        self.known = set(self.names)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.model.parameter_specs():
+        if name not in self.known:
             raise KeyError(name)
         return self.model.parameter(name)
 

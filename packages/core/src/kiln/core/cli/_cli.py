@@ -131,7 +131,6 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _load_model(name: str, config: str | None) -> Any:
-    import json
     from pathlib import Path
 
     from kiln.core.ir._ir import from_json
@@ -154,12 +153,7 @@ def _load_model(name: str, config: str | None) -> Any:
     cfg: dict[str, Any] = {}
     if config:
         text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
-        try:
-            cfg = json.loads(text)
-        except ValueError as exc:
-            raise KilnError(f"--config is neither a JSON object nor a JSON file: {exc}") from None
-        if not isinstance(cfg, dict):
-            raise KilnError(f"--config must be a JSON object, found {type(cfg).__name__}")
+        cfg = _json_object(text, "--config is neither a JSON object nor a JSON file")
     try:
         dsl = importlib.import_module("kiln.dsl")
     except ImportError:
@@ -174,18 +168,22 @@ def _load_model(name: str, config: str | None) -> Any:
 
 def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
     """``NAME`` or ``NAME=JSON-OBJECT`` (a graph pass and its options)."""
-    import json
-
     name, sep, options = text.partition("=")
     if not sep:
         return name
+    return name, _json_object(options, f"--pass {text!r}: the options after '=' are not a JSON object")
+
+
+def _json_object(text: str, what: str) -> dict[str, Any]:
+    import json
+
     try:
-        parsed = json.loads(options)
+        parsed = json.loads(text)
     except ValueError as exc:
-        raise KilnError(f"--pass {text!r}: the options after '=' are not JSON: {exc}") from None
+        raise KilnError(f"{what}: {exc}") from None
     if not isinstance(parsed, dict):
-        raise KilnError(f"--pass {text!r}: the options must be a JSON object, found {type(parsed).__name__}")
-    return name, parsed
+        raise KilnError(f"{what}: found {type(parsed).__name__}")
+    return parsed
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -495,9 +495,8 @@ class _Scheduler:
             if opdef.alias:
                 how, kernel = "alias", ""
             else:
-                found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
-                how, kernel = ("out" if found.out else "kernel"), ("" if found.backend == "reference" else
-                                                                  _kernel_key(found))
+                found = self.kernel(opdef)
+                how, kernel = ("out" if found.out else "kernel"), found.key
             self._added[memo] = (inferred, kattrs, how, kernel)
         inferred, kattrs, how, kernel = self._added[memo]
         for k, t in zip(outs, inferred, strict=True):
@@ -831,10 +830,12 @@ class _Scheduler:
 
     def add_update(self, op: Op, attrs_: Mapping[str, Any]) -> None:
         opdef = self.registry.get_op(op.type)
-        found = self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
-        kernel = "" if found.backend == "reference" else _kernel_key(found)
         self.steps.append(Step(len(self.steps), "optimizer", op, None, op.inputs, (), "optimizer",
-                               FrozenDict(opdef.resolve_attrs(attrs_)), kernel=kernel))
+                               FrozenDict(opdef.resolve_attrs(attrs_)), kernel=self.kernel(opdef).key))
+
+    def kernel(self, opdef: Any) -> Any:
+        """The kernel the target backend runs for ``opdef`` (an error naming both if it has none)."""
+        return self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
 
 
 def _kernel_dtype(dtype: str) -> Any:
@@ -844,10 +845,6 @@ def _kernel_dtype(dtype: str) -> Any:
         return np.dtype(dtype)
     except TypeError:
         return dtype
-
-
-def _kernel_key(k: Any) -> str:
-    return f"{k.op}@{k.backend}:{k.dtype}"
 
 
 class _Replay:
@@ -961,8 +958,7 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
     backend = s.target.backend
     if FUSED_HEAD not in getattr(backend, "capabilities", ()):
         return ()
-    kernel = next((k for name in (backend.name, getattr(backend, "kernel_fallback", None)) if name
-                   for k in [s.target.kernels.find(FUSED_HEAD, name, s.target.dtype)] if k is not None), None)
+    kernel = s.target.kernels.lookup(FUSED_HEAD, backend, s.target.dtype)
     steps = {ph: [st for st in s.steps if st.phase == ph and st.how != "alias"]
              for ph in ("forward", "backward")}
     if kernel is None or not steps["forward"] or not steps["backward"]:
@@ -984,7 +980,7 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
         return ()
     return (Fusion(FUSED_HEAD, (fwd.index, bwd.index), (SEED, *fwd.inputs), (*fwd.outputs, *bwd.outputs[:2]),
                    FrozenDict({"ignore_index": int(fwd.attrs.get("ignore_index", -100))}),
-                   _kernel_key(kernel)),)
+                   kernel.key),)
 
 
 def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:

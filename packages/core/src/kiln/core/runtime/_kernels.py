@@ -25,6 +25,8 @@ __all__ = ["ANY_DTYPE", "Kernel", "KernelTable", "resolve"]
 
 #: the dtype of a kernel that serves every float type of its backend
 ANY_DTYPE = "*"
+#: the backend name of an op's reference kernel (``OpDef.kernel``), which is not in the table
+REFERENCE = "reference"
 
 
 def _frozenset(items: Iterable[int]) -> frozenset[int]:
@@ -41,6 +43,11 @@ class Kernel:
     fn: Callable[..., Any]
     out: bool = False
     inplace: frozenset[int] = attrs.field(default=frozenset(), converter=_frozenset)
+
+    @property
+    def key(self) -> str:
+        """Its name in the table (what ``Step.kernel`` records); "" for an op's reference kernel."""
+        return "" if self.backend == REFERENCE else key(self.op, self.backend, self.dtype)
 
 
 def key(op: str, backend: str, dtype: str) -> str:
@@ -62,6 +69,14 @@ class KernelTable(NamedRegistry[Kernel]):
         kernel = Kernel(op, backend, dtype, fn, out, inplace)
         self.register(key(op, backend, dtype), kernel, plugin=plugin)
         return kernel
+
+    def lookup(self, op: str, backend: Any, dtype: str) -> Kernel | None:
+        """The kernel of ``op`` the backend object runs: its own, else its ``kernel_fallback``'s."""
+        for name in (backend.name, getattr(backend, "kernel_fallback", None)):
+            found = self.find(op, name, dtype) if name else None
+            if found is not None:
+                return found
+        return None
 
     def find(self, op: str, backend: str, dtype: str) -> Kernel | None:
         """The kernel of ``op`` for ``backend`` and ``dtype``, else its any-dtype kernel, else None."""
@@ -86,12 +101,11 @@ def resolve(table: KernelTable, op: Any, backend: Any, dtype: str) -> Kernel:
 
     A backend that has none is an error naming the op and the backend.
     """
-    for name in (backend.name, getattr(backend, "kernel_fallback", None)):
-        found = table.find(op.name, name, dtype) if name else None
-        if found is not None:
-            return found
+    found = table.lookup(op.name, backend, dtype)
+    if found is not None:
+        return found
     if getattr(backend, "reference", False):
-        return Kernel(op.name, "reference", ANY_DTYPE, op.kernel)
+        return Kernel(op.name, REFERENCE, ANY_DTYPE, op.kernel)
     have = ", ".join(table.ops_of(backend.name)[:8]) or "none"
     raise KilnError(f"backend {backend.name!r} has no kernel for op {op.name!r} ({dtype}); it has kernels "
                     f"for {have}", hint="register one through the kiln_register_kernels hook, or compile for "

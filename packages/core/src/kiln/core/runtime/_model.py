@@ -32,26 +32,34 @@ from kiln.core.plan._program import (
 
 #: the label of a position the loss ignores, unless the model's loss op says otherwise
 IGNORE_INDEX = -100
-LOSS_OPS = ("fused_lm_head_loss", "cross_entropy")
 INITS = ("normal", "uniform", "ones", "zeros")
 
 
 def init_value(init: Mapping[str, Any], shape: tuple[int, ...], rng: np.random.Generator, default_std: float,
-               name: str) -> np.ndarray:
+               name: str, config: Mapping[str, Any] | None = None) -> np.ndarray:
     """Parameter ``name``'s initial value from its init spec (``ParamSpec.init``): ``normal`` (``std``,
-    default ``default_std``), ``uniform`` (``low``, ``high``), ``ones`` or ``zeros``; float64."""
+    default ``default_std``), ``uniform`` (``low``, ``high``), ``ones`` or ``zeros``; float64.
+    ``zero_row`` (a row index, or the name of a ``config`` entry holding one or None) starts at zero:
+    an embedding's padding row, as ``torch.nn.Embedding(padding_idx=...)`` initialises it."""
     kind = init.get("kind", "normal")
     try:
         if kind == "normal":
-            return rng.standard_normal(shape) * float(init.get("std", default_std))
-        if kind == "uniform":
-            return rng.uniform(float(init["low"]), float(init["high"]), shape)
+            value = rng.standard_normal(shape) * float(init.get("std", default_std))
+        elif kind == "uniform":
+            value = rng.uniform(float(init["low"]), float(init["high"]), shape)
+        elif kind in ("ones", "zeros"):
+            value = np.full(shape, 1.0 if kind == "ones" else 0.0)
+        else:
+            raise KilnError(f"parameter {name!r}: unknown init kind {kind!r}; expected {', '.join(INITS)}")
     except (KeyError, TypeError, ValueError) as exc:
         raise KilnError(f"parameter {name!r}: init {dict(init)!r} is not valid ({type(exc).__name__}: "
                         f"{exc}); normal takes a float std, uniform a float low and high") from None
-    if kind in ("ones", "zeros"):
-        return np.full(shape, 1.0 if kind == "ones" else 0.0)
-    raise KilnError(f"parameter {name!r}: unknown init kind {kind!r}; expected {', '.join(INITS)}")
+    row = init.get("zero_row")
+    if isinstance(row, str):
+        row = (config or {}).get(row)
+    if row is not None:
+        value[int(row)] = 0.0
+    return value
 
 
 class Model:
@@ -103,7 +111,7 @@ class Model:
         #: the label the model's loss op ignores (its ``ignore_index`` attribute)
         self.ignore_index = next((int(op.attrs.get("ignore_index", IGNORE_INDEX))
                                   for op in (self._model.forward.ops if self._model.forward else ())
-                                  if op.type in LOSS_OPS), IGNORE_INDEX)
+                                  if "loss" in op.outputs), IGNORE_INDEX)
         if init == "random":
             self.init_parameters(seed)
         if weights is not None:
@@ -120,14 +128,8 @@ class Model:
         """(Re)initialise every parameter from its init spec, drawing from one generator seeded ``seed``."""
         rng = np.random.default_rng(seed)
         default_std = float(self._model.config.get("initializer_range", 0.02))
-        padding = {op.inputs[1]: int(op.attrs["padding_idx"]) for op in self._model.forward.ops
-                   if op.type == "embedding" and op.attrs.get("padding_idx") is not None} \
-            if self._model.forward is not None else {}
         for key, spec, shape, _ in self._params:
-            value = init_value(spec.init, shape, rng, default_std, key)
-            if key in padding:  # as torch.nn.Embedding(padding_idx=...): the padding row starts at 0
-                value[padding[key]] = 0.0
-            self._write(key, value)
+            self._write(key, init_value(spec.init, shape, rng, default_std, key, self._model.config))
 
     def _read(self, name: str) -> np.ndarray:
         offset, shape = self._where[name]

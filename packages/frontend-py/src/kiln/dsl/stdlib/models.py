@@ -73,7 +73,7 @@ class _CausalLM:
     """Embedding, a stack of blocks, final RMSNorm and the LM head with its loss (seed 003 §6.1)."""
 
     embedding = Param(Tensor["vocab_size", "d_model", F], hf_mapping="model.embed_tokens.weight",
-                      role="embedding")
+                      role="embedding", init={"kind": "normal", "zero_row": "pad_token_id"})
     final_norm = Param(Tensor["d_model", F], hf_mapping="model.norm.weight", init="ones")
 
     @param(hf_mapping="lm_head.weight")
