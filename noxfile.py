@@ -96,3 +96,18 @@ def demo(session: nox.Session) -> None:
     """Install every package and run kiln's main job on the NumPy backend (no GPU needed)."""
     _install_editable(session)
     session.run("kiln", "demo")
+
+
+@nox.session(reuse_venv=True)
+def gpu(session: nox.Session) -> None:
+    """The GPU tests (`-m gpu`): kiln-kernels-cuda's kernels against the NumPy reference on the device and
+    training on `cuda` against `numpy`; skipped with the reason where there is no GPU."""
+    _install_editable(session, *TEST_TOOLS)
+    session.run("pytest", "-m", "gpu", "-rs", *session.posargs)
+
+
+@nox.session(name="bench-gpu", reuse_venv=True)
+def bench_gpu(session: nox.Session) -> None:
+    """A training step on kiln's `cuda` backend beside the NumPy backend (packages/kernels-cuda/bench)."""
+    _install_editable(session)
+    session.run("python", "packages/kernels-cuda/bench/bench_gpu.py", *session.posargs)

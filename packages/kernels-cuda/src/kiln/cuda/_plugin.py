@@ -1,12 +1,19 @@
 """The ``kiln`` entry point of kiln-kernels-cuda: its hook implementations.
 
 Every kiln run loads this module, GPU or not, so it must stay cheap: it looks for the CUDA stack
-with ``find_spec`` and never imports it. Hooks register the backend only when `cuda_available()`.
+with ``find_spec`` and never imports it. The backend ``cuda`` is registered when `cuda_available()`
+(cuda-python and NVRTC installed, the driver loads and sees a GPU); without a GPU it is registered as
+unavailable, so asking for it is an error that says why. The kernels are registered either way: they
+are launch functions that touch a device only when they run.
 """
 
+from __future__ import annotations
+
 import importlib.util
+from collections.abc import Iterable
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+from typing import Any
 
 import pluggy
 
@@ -35,3 +42,41 @@ def _nvrtc_installed() -> bool:
 def cuda_available() -> bool:
     """Whether cuda-python's bindings and NVRTC are installed; says nothing about a GPU being present."""
     return _find("cuda") is not None and _find("cuda.bindings") is not None and _nvrtc_installed()
+
+
+def unavailable_reason() -> str | None:
+    """Why the ``cuda`` backend cannot run here, or None when it can (never hangs: the driver library is
+    loaded with ctypes before any driver call)."""
+    if not cuda_available():
+        return "cuda-python or NVRTC is not installed (pip install cuda-python nvidia-cuda-nvrtc)"
+    from kiln.cuda._device import device_status
+
+    ok, why = device_status()
+    return None if ok else why
+
+
+@hookimpl
+def kiln_register_backends(registry: Any) -> None:
+    from kiln.cuda._backend import CudaBackend, UnavailableBackend
+
+    reason = unavailable_reason()
+    registry.register("cuda", CudaBackend() if reason is None else UnavailableBackend(reason))
+
+
+#: the optimizer phase's ops: called with the run-time scalars, not with ``out=``
+UPDATE_OPS = frozenset({"grad_norm", "adamw_update", "sgd_update"})
+
+
+def register_kernels(registry: Any, without: Iterable[str] = ()) -> None:
+    """Put kiln's CUDA kernels (less those of the ops in ``without``) in the kernel table ``registry``."""
+    from kiln.cuda._ops import KERNELS
+
+    skip = set(without)
+    for op, (fn, inplace) in KERNELS.items():
+        if op not in skip:
+            registry.register_kernel(op, "cuda", "float32", fn, out=op not in UPDATE_OPS, inplace=inplace)
+
+
+@hookimpl
+def kiln_register_kernels(registry: Any) -> None:
+    register_kernels(registry)

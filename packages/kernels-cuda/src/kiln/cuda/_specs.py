@@ -1,0 +1,99 @@
+"""The kernels kiln launches: for each, its source file and the type of each parameter.
+
+This table is the launch code's side of the argument contract: :func:`pack` builds the
+``cuLaunchKernel`` argument array from it (one pointer to each value), and the tests check it against
+the parameter layout NVRTC gave each CUBIN and against the emulator's ``sizeof`` of each parameter.
+Type codes: ``p`` a device pointer (8 bytes, 0 for null), ``i`` int32, ``q`` int64, ``f`` float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from kiln.core import KilnError
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+
+_CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
+
+
+@attrs.frozen
+class KernelSpec:
+    name: str
+    file: str
+    params: str
+
+    def layout(self) -> list[tuple[int, int]]:
+        """(offset, size) of each parameter in the kernel's parameter block (C alignment rules)."""
+        out, offset = [], 0
+        for code in self.params:
+            size = ctypes.sizeof(_CTYPES[code])
+            offset = -(-offset // size) * size
+            out.append((offset, size))
+            offset += size
+        return out
+
+
+def _specs(file: str, **kernels: str) -> dict[str, KernelSpec]:
+    return {name: KernelSpec(name, file, params.replace(" ", "")) for name, params in kernels.items()}
+
+
+SPECS: dict[str, KernelSpec] = {
+    **_specs("elementwise.cu", fill_f32="pfq", scale_f32="ppfq", add_f32="pppqq", mul_f32="pppqq",
+             silu_f32="ppq", silu_backward_f32="pppq", relu_f32="ppq", relu_backward_f32="pppq",
+             gelu_f32="ppqi", gelu_backward_f32="pppqi", swiglu_f32="ppqq", swiglu_backward_f32="pppqq",
+             silu_mul_f32="pppq", silu_mul_backward_f32="pppppq", softcap_f32="pqf",
+             softcap_backward_f32="ppqf"),
+    **_specs("norms.cu", rmsnorm_f32="ppppif", fused_residual_rmsnorm_f32="ppppppif",
+             rmsnorm_backward_dx_f32="pppppppi", rmsnorm_backward_dw_f32="ppppqi"),
+    **_specs("softmax.cu", softmax_f32="ppiq", softmax_backward_f32="pppiq"),
+    **_specs("loss.cu", cross_entropy_f32="ppppii", cross_entropy_backward_f32="ppppppii"),
+    **_specs("embedding.cu", embedding_f32="pppqi", embedding_backward_f32="pppqiiii"),
+    **_specs("rope.cu", rope_f32="ppppiiiiiifi"),
+    **_specs("optimizer.cu", adamw_f32="ppppqffffffff", sgd_f32="pppqfffiiff", sumsq_partial_f32="pqp",
+             sqrt_sum_f32="pqp"),
+    **_specs("matmul.cu", matmul_f32="ppppiiiiiqqqff"),
+    **_specs("attention.cu", flash_attention_f32="ppppiiiiiif",
+             flash_attention_backward_dq_f32="pppppppp iiiiiif",
+             flash_attention_backward_dkv_f32="pppppp iiiiiif",
+             qkv_norm_rope_f32="pppppppp iiiiii ff", qkv_norm_rope_backward_dx_f32="ppppppppppp iiiiii f",
+             qkv_norm_rope_backward_dw_f32="pppppppppp iiiiiii f"),
+}
+
+
+def sources() -> list[Path]:
+    """Every kernel source file of the package."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+def spec(name: str) -> KernelSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise KilnError(f"no CUDA kernel named {name!r}; kiln.cuda has {', '.join(sorted(SPECS))}") from None
+
+
+class Packed:
+    """Kernel arguments packed for ``cuLaunchKernel``: ``address`` is the ``void**`` array, one pointer to
+    each typed value (kept alive by this object)."""
+
+    def __init__(self, kernel: KernelSpec, args: Sequence[object]) -> None:
+        if len(args) != len(kernel.params):
+            raise KilnError(f"kernel {kernel.name!r} takes {len(kernel.params)} arguments "
+                            f"({kernel.params}), the launch passed {len(args)}")
+        self.values = [_CTYPES[code](0 if a is None else a) for code, a in  # type: ignore[arg-type]
+                       zip(kernel.params, args, strict=True)]
+        self.array = (ctypes.c_void_p * max(len(self.values), 1))(
+            *[ctypes.addressof(v) for v in self.values])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def pack(name: str, args: Sequence[object]) -> Packed:
+    return Packed(spec(name), args)

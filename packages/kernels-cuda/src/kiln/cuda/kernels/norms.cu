@@ -1,0 +1,68 @@
+// RMSNorm forward and backward (kiln.core ops/library/_norms.py): statistics over the last dim C.
+// Row kernels: one block of ROW_THREADS threads per row (grid = rows); the weight gradient is a
+// separate column kernel, one thread per column summing the rows in order (deterministic, no atomics).
+#include "common.cuh"
+
+// rmsnorm: rstd = 1 / sqrt(mean(x^2) + eps); y = (x * rstd) * weight
+extern "C" __global__ void rmsnorm_f32(const float* x, const float* weight, float* y, float* rstd, int C,
+                                       float eps) {
+    long long row = blockIdx.x;
+    const float* xr = x + row * C;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
+    float r = 1.0f / sqrtf(block_sum(ss) / C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) y[row * C + c] = (xr[c] * r) * weight[c];
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// fused_residual_rmsnorm: residual_out = residual + x; (y, rstd) = rmsnorm(residual_out). Each thread
+// writes residual_out only where it read residual and x, so residual_out may be either input's storage.
+extern "C" __global__ void fused_residual_rmsnorm_f32(const float* residual, const float* x, const float* weight,
+                                                      float* residual_out, float* y, float* rstd, int C,
+                                                      float eps) {
+    long long row = blockIdx.x;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float v = residual[row * C + c] + x[row * C + c];
+        residual_out[row * C + c] = v;
+        ss += v * v;
+    }
+    float r = 1.0f / sqrtf(block_sum(ss) / C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) y[row * C + c] = (residual_out[row * C + c] * r) * weight[c];
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// rmsnorm_backward, d_x of one row: d_x = rstd * (g - xhat * mean(g * xhat)), g = d_y * weight,
+// xhat = x * rstd; minus d_rstd * rstd^3 * x / C; plus d_extra (a residual's gradient). d_y, d_rstd and
+// d_extra may be null. Each element is read before it is written, so d_x may be d_y's or d_extra's storage.
+extern "C" __global__ void rmsnorm_backward_dx_f32(const float* d_y, const float* x, const float* rstd,
+                                                   const float* weight, const float* d_rstd,
+                                                   const float* d_extra, float* d_x, int C) {
+    long long row = blockIdx.x;
+    float r = rstd[row], dot = 0.0f;
+    if (d_y) {
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            dot += d_y[row * C + c] * weight[c] * (x[row * C + c] * r);
+        dot = block_sum(dot) / C;
+    }
+    float dr = d_rstd ? d_rstd[row] * r * r * r / C : 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        long long i = row * C + c;
+        float xv = x[i], g = 0.0f;
+        if (d_y) g = r * (d_y[i] * weight[c] - (xv * r) * dot);
+        g -= dr * xv;
+        if (d_extra) g += d_extra[i];
+        d_x[i] = g;
+    }
+}
+
+// rmsnorm_backward, d_weight: d_weight[c] = sum over rows of d_y * x * rstd; one thread per column,
+// 256 threads a block, cdiv(C, 256) blocks. Runs before the d_x kernel (d_x may take over d_y).
+extern "C" __global__ void rmsnorm_backward_dw_f32(const float* d_y, const float* x, const float* rstd,
+                                                   float* d_weight, long long rows, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float acc = 0.0f;
+    for (long long row = 0; row < rows; ++row) acc += d_y[row * C + c] * (x[row * C + c] * rstd[row]);
+    d_weight[c] = acc;
+}
