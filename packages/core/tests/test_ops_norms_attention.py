@@ -384,6 +384,42 @@ def test_fully_masked_rows_give_zero_and_infinite_lse(rng: np.random.Generator) 
     assert np.all(np.isfinite(d_q)) and np.all(d_q[:, :2] == 0.0)
 
 
+def test_segments_attend_within_their_document_as_if_run_alone(rng: np.random.Generator) -> None:
+    # Oracle: each document's attention computed on its own, unpacked.
+    hq, hkv, d = 4, 2, 3
+    qkv = _qkv(rng, 2, 7, hq, hkv, d)
+    segments = np.array([[1, 1, 1, 2, 2, 3, 3], [0, 0, 1, 1, 1, 1, 1]])  # packed; left-padded
+    for causal in (True, False):
+        out, lse = run("flash_attention", qkv, segments, Hq=hq, Hkv=hkv, D=d, causal=causal)
+        for b, seg in itertools.product(range(2), range(4)):
+            cols = np.flatnonzero(segments[b] == seg)
+            if not cols.size:
+                continue
+            alone, alone_lse = run("flash_attention", qkv[b:b + 1, cols], Hq=hq, Hkv=hkv, D=d, causal=causal)
+            np.testing.assert_allclose(out[b:b + 1, cols], alone, rtol=1e-12, atol=1e-13)
+            np.testing.assert_allclose(lse[b:b + 1, :, cols], alone_lse, rtol=1e-12)
+
+
+def test_segment_gradients_equal_per_document_gradients(rng: np.random.Generator) -> None:
+    hq, hkv, d = 2, 1, 4
+    qkv = _qkv(rng, 1, 6, hq, hkv, d)
+    segments = np.array([[1, 1, 1, 1, 2, 2]])
+    out, lse = run("flash_attention", qkv, segments, Hq=hq, Hkv=hkv, D=d)
+    d_out = rng.standard_normal(out.shape)
+    d_qkv = run("flash_attention_backward", d_out, qkv, out, lse, None, segments, Hq=hq, Hkv=hkv, D=d)
+    for cols in (slice(0, 4), slice(4, 6)):
+        o, o_lse = run("flash_attention", qkv[:, cols], Hq=hq, Hkv=hkv, D=d)
+        alone = run("flash_attention_backward", d_out[:, cols], qkv[:, cols], o, o_lse, Hq=hq, Hkv=hkv, D=d)
+        np.testing.assert_allclose(d_qkv[:, cols], alone, rtol=1e-11, atol=1e-13)
+
+
+def test_segment_ids_are_checked() -> None:
+    with pytest.raises(OpError, match=r"segment_ids must be \[B, Tk\]"):
+        infer("flash_attention", fp32(["B", "T", 12]), TensorType(["B", "T + 1"], "int32"), Hq=2, Hkv=1, D=3)
+    with pytest.raises(OpError, match="integer"):
+        infer("flash_attention", fp32(["B", "T", 12]), fp32(["B", "T"]), Hq=2, Hkv=1, D=3)
+
+
 def test_attention_float32_stays_float32(rng: np.random.Generator) -> None:
     qkv = _qkv(rng, 1, 4, 2, 2, 8).astype(np.float32)
     out, lse = run("flash_attention", qkv, Hq=2, Hkv=2, D=8)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
+import pytest
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle
 
-from kiln.core import AdamW, Model, op_registry
+from kiln.core import AdamW, KilnError, Model, op_registry
 from kiln.core.autodiff import derive_backward
 from kiln.core.autodiff._gradcheck import max_rel_error
 from kiln.core.autodiff._interp import run_graph
@@ -149,3 +150,15 @@ def test_what_steps_allocate_beyond_the_arena_does_not_grow_with_the_batch() -> 
     assert held_s < 64 * 1024 and held_l < 64 * 1024, (held_s, held_l)
     assert peak_l <= 1.1 * peak_s + 256 * 1024, (peak_s / MiB, peak_l / MiB)
     assert peak_l < 8 * MiB < arena_l / 4, (peak_l / MiB, arena_l / MiB)
+
+
+def test_a_model_without_segment_ids_refuses_masks_it_cannot_apply() -> None:
+    model = Model(tiny_qwen3_bundle())  # its position_ids are [T] and it has no segment_ids input
+    ids = np.ones((2, 4), np.int64)
+    plain = model.logits(ids)
+    np.testing.assert_array_equal(model.logits(ids, attention_mask=np.ones_like(ids),
+                                               position_ids=np.tile(np.arange(4), (2, 1))), plain)
+    with pytest.raises(KilnError, match="no segment_ids input: it cannot mask padding"):
+        model.logits(ids, attention_mask=np.array([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(KilnError, match="position_ids input is \\[seq\\], shared by the batch"):
+        model.logits(ids, position_ids=np.array([[0, 1, 2, 3], [1, 2, 3, 4]]))

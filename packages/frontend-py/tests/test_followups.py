@@ -192,9 +192,9 @@ class MLPLayer:
             return g.add(x, g.view(down, shape=[B, T, "C"]))
 
 
-def _offset_lm(offset: Any) -> type:
+def _offset_lm(offset: Any = 0, layers: Any = None) -> type:
     @model
-    @hf_mapping.indexed("blocks", layer_offset=offset,
+    @hf_mapping.indexed("blocks", layer_offset=offset, layers=layers,
                         up_weight=fuse("model.layers.{layer}.mlp.gate_proj.weight",
                                        "model.layers.{layer}.mlp.up_proj.weight"),
                         down_weight="model.layers.{layer}.mlp.down_proj.weight")
@@ -203,6 +203,7 @@ def _offset_lm(offset: Any) -> type:
                      n_first: int = 5):
             self.vocab_size, self.d_model, self.d_ff, self.n_layers = vocab_size, d_model, d_ff, n_layers
             self.n_first = n_first
+            self.picked = [4, 1]
 
         embedding = Param(Tensor["vocab_size", "d_model", F])
         blocks = Param(Array["n_layers", MLPLayer])
@@ -218,12 +219,25 @@ def _offset_lm(offset: Any) -> type:
     return OffsetLM
 
 
-@pytest.mark.parametrize("offset, expected", [(3, 3), ("n_first", 5), ("n_first - n_layers", 3), (0, None)])
-def test_indexed_mapping_layer_offset(offset: Any, expected: int | None) -> None:
+@pytest.mark.parametrize("offset, expected", [(3, [3, 4]), ("n_first", [5, 6]),
+                                              ("n_first - n_layers", [3, 4]), (0, None)])
+def test_indexed_mapping_layer_offset(offset: Any, expected: list[int] | None) -> None:
     lm = build_bundle(_offset_lm(offset), {}).module("OffsetLM")
     entry = lm.hf_mappings["blocks"]
-    assert entry.get("layer_offset") == expected and entry["index"] == "{layer}"
+    assert lm.hf_layers("blocks", 2) == expected and entry["index"] == "{layer}"
     assert from_json(lm.to_json()) == lm
+
+
+@pytest.mark.parametrize("layers", [[2, 0], "picked"])
+def test_indexed_mapping_layers(layers: Any) -> None:
+    lm = build_bundle(_offset_lm(layers=layers), {}).module("OffsetLM")
+    assert lm.hf_layers("blocks", 2) == ([2, 0] if layers != "picked" else [4, 1])
+
+
+@pytest.mark.parametrize("layers", [[1], [0, -1], "n_layers", "missing"])
+def test_bad_layers_are_e010(layers: Any) -> None:
+    (err,) = compile_model(_offset_lm(layers=layers), {})["errors"]
+    assert err["code"] == "E010" and "list of 2 non-negative ints" in err["message"], err
 
 
 @pytest.mark.parametrize("offset", ["n_missing", -1, 1.5])
@@ -233,14 +247,15 @@ def test_bad_layer_offset_is_e010(offset: Any) -> None:
     assert "test_followups.py" in err["location"]
 
 
-def test_qwen3_moe_stacks_are_offset_by_the_dense_layers() -> None:
-    def offsets(dense: list[int]) -> dict[str, Any]:
-        lm = build_bundle("Qwen3MoEModel", {**TINY, "mlp_only_layers": dense}).module("Qwen3MoEModel")
-        return {k: v.get("layer_offset") for k, v in lm.hf_mappings.items() if isinstance(v, Mapping)
+def test_qwen3_moe_stacks_number_their_hf_layers() -> None:
+    def layers(**config: Any) -> dict[str, Any]:
+        lm = build_bundle("Qwen3MoEModel", {**TINY, **config}).module("Qwen3MoEModel")
+        return {k: list(v["layers"]) for k, v in lm.hf_mappings.items() if isinstance(v, Mapping)
                 and v.get("type") == "indexed"}
 
-    assert offsets([0, 1]) == {"dense_blocks": None, "blocks": 2}
-    assert offsets([]) == {"blocks": 0}
+    assert layers(n_layers=4, mlp_only_layers=[0, 1]) == {"dense_blocks": [0, 1], "blocks": [2, 3]}
+    assert layers(n_layers=3, mlp_only_layers=[]) == {"blocks": [0, 1, 2]}
+    assert layers(n_layers=4, decoder_sparse_step=2) == {"dense_blocks": [0, 2], "blocks": [1, 3]}
 
 
 # --- 3. call outputs in the caller's symbols ----------------------------------------------------

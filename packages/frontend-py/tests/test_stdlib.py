@@ -15,7 +15,6 @@ from kiln.core.autodiff._interp import run_graph
 from kiln.core.ir import Bundle, Module, dim_bindings, evaluate_shape, from_json, verify
 from kiln.dsl import (
     B,
-    DSLError,
     T,
     Tensor,
     build_bundle,
@@ -48,6 +47,7 @@ MODELS = {
     "qwen3-moe": ("Qwen3MoEModel", {**TINY, **MOE, "head_size": 8}),
     "qwen3-moe-dense-first-shared": ("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 3, "mlp_only_layers": [0],
                                                        "shared_d_ff": 8, "norm_topk_prob": False}),
+    "qwen3-moe-interleaved": ("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 4, "decoder_sparse_step": 2}),
     "hyper-connection": ("HyperConnectionModel", {**TINY, "n_streams": 3, "hc_sinkhorn_iters": 3}),
 }
 
@@ -82,7 +82,7 @@ def test_model_compiles_verifies_and_differentiates(case: str) -> None:
     verify(bundle)
     assert from_json(bundle.to_json()) == bundle
     model = bundle.module(bundle.entry)
-    assert [d.name for d in model.forward.inputs] == ["token_ids", "position_ids", "targets"]
+    assert [d.name for d in model.forward.inputs] == ["token_ids", "position_ids", "segment_ids", "targets"]
     assert [(d.name, d.dtype) for d in model.forward.outputs] == [("loss", "fp32")]
     assert model.forward.ops[-1].type == "fused_lm_head_loss"
     for m in bundle.modules:  # every symbol of every shape is an int of the module's config
@@ -241,7 +241,8 @@ def test_dense_block_recompute_declarations() -> None:
                                           "rotary_dim": "D"}
 
     att = slot["att"]
-    assert (att.recompute_outputs, att.recompute_from) == (("att", "lse"), ("qkv_rope",))
+    assert (att.recompute_outputs, att.recompute_from) == (
+        ("att", "lse"), ("qkv_rope", "?@input:segment_ids"))
     assert (att.recompute_op, att.recompute_policy) == ("flash_attention", "lora_only")
     assert dict(att.recompute_attrs) == {} and att.aliases == ("att_flat", "attn")
     assert slot["att_out"].recompute_from == ("att", "@param:out_weight", "?@param:out_bias")
@@ -301,10 +302,20 @@ def test_block_gradients_match_finite_differences(name: str, config: dict[str, A
     assert max(errors.values()) < 1e-6, errors
 
 
-def test_moe_interleaved_layers_are_rejected() -> None:
-    with pytest.raises(DSLError) as info:
-        build_bundle("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 4, "decoder_sparse_step": 2})
-    assert info.value.diagnostics[0].code == "E027"
+def test_moe_layers_interleave_with_one_body_per_kind() -> None:
+    bundle = build_bundle("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 5, "mlp_only_layers": [1, 2]})
+    model = bundle.module("Qwen3MoEModel")
+    calls = [(op.attrs["params"], op.attrs.get("first", 0), op.attrs["n_layers"]) for op in model.forward.ops
+             if op.type == "call"]  # HF layers: moe, dense, dense, moe, moe
+    assert calls == [("blocks", 0, 1), ("dense_blocks", 0, 2), ("blocks", 1, 2)]
+    assert sorted(m.name for m in bundle.modules) == ["DenseTransformerBlock", "MoETransformerBlock",
+                                                       "Qwen3MoEModel"]
+    assert model.hf_layers("blocks", 3) == [0, 3, 4] and model.hf_layers("dense_blocks", 2) == [1, 2]
+    # the backward runs one call_backward per call, each over its own layers, from one derived body each
+    result = derive_backward(model.forward, DeriveBackwardOptions(), modules=_modules(bundle))
+    backs = [(op.attrs["params"], op.attrs.get("first", 0)) for op in result.backward.ops
+             if op.type == "call_backward"]
+    assert backs == [("blocks", 1), ("dense_blocks", 0), ("blocks", 0)]
 
 
 def test_moe_dense_layers_become_a_first_stack() -> None:
@@ -461,19 +472,20 @@ def _from_hf(spec: Any, hf: dict[str, np.ndarray], layer: int, num_experts: int)
 
 def kiln_params(bundle: Bundle, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every parameter of the compiled model, read from ``hf`` through the compiled HF mappings.
-    Layer ``i`` of a stack is HF layer ``i`` plus its indexed mapping's ``layer_offset``."""
+    Layer ``i`` of a stack is HF layer ``layers[i]`` of its indexed mapping (``i`` without one)."""
     model = bundle.module(bundle.entry)
     out = {p.name: _from_hf(p.hf_mapping, hf, 0, 0) for p in model.params
            if p.array_of is None and p.tied_to is None}
     for op in model.forward.ops:
         if op.type != "call":
             continue
-        block = bundle.module(op.attrs["module"])
-        first = model.hf_mappings[op.attrs["params"]].get("layer_offset", 0)
-        for i in range(op.attrs["n_layers"]):
+        block, stack, first = bundle.module(op.attrs["module"]), op.attrs["params"], op.attrs.get("first", 0)
+        count = model.param(stack).count.evaluate(dim_bindings(model.config))
+        layers = model.hf_layers(stack, count) or list(range(count))
+        for i in range(first, first + op.attrs["n_layers"]):
             for p in block.params:
-                value = _from_hf(p.hf_mapping, hf, first + i, block.config.get("num_experts", 0))
-                out[f"{op.attrs['params']}.{i}.{p.name}"] = value
+                out[f"{stack}.{i}.{p.name}"] = _from_hf(p.hf_mapping, hf, layers[i],
+                                                        block.config.get("num_experts", 0))
     return out
 
 
@@ -481,7 +493,8 @@ def _run_loss(bundle: Bundle, values: dict[str, np.ndarray], ids: np.ndarray,
               targets: np.ndarray) -> np.ndarray:
     model = bundle.module(bundle.entry)
     feed = {**values, "token_ids": ids.astype(np.int32), "targets": targets.astype(np.int32),
-            "position_ids": np.arange(ids.shape[1], dtype=np.int32)}
+            "position_ids": np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape),
+            "segment_ids": np.ones(ids.shape, np.int32)}
     env = run_graph(model.forward, feed, modules=_modules(bundle), bindings=dim_bindings(model.config),
                     float_dtype=np.float64)
     return env["loss"]
@@ -502,6 +515,8 @@ HF_CASES = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", HF_QWEN3_MOE, [True] * 3),
     "qwen3-moe-dense-first": ("Qwen3MoeForCausalLM", {**HF_QWEN3_MOE, "mlp_only_layers": [0],
                                                       "norm_topk_prob": False}, [False, True, True]),
+    "qwen3-moe-interleaved": ("Qwen3MoeForCausalLM", {**HF_QWEN3_MOE, "mlp_only_layers": [1]},
+                              [True, False, True]),
 }
 
 
@@ -594,7 +609,9 @@ def test_hyper_connection_block_matches_numpy_mhc() -> None:
     values = {d.name: 0.3 * rng.standard_normal(evaluate_shape(d.shape, bindings))
               for d in block.forward.params}
     h = rng.standard_normal((2, 5, n * 16))
-    env = run_graph(block.forward, {**values, "h": h, "position_ids": np.arange(5, dtype=np.int32)},
+    feed = {"h": h, "position_ids": np.tile(np.arange(5, dtype=np.int32), (2, 1)),
+            "segment_ids": np.ones((2, 5), np.int32)}
+    env = run_graph(block.forward, {**values, **feed},
                     bindings=bindings, float_dtype=np.float64)
     cfg = {**HF_LLAMA, "rope_theta": 100.0}
     np.testing.assert_allclose(env["h_out"], _mhc_reference(values, h, n, iters, cfg), rtol=1e-10, atol=1e-12)
@@ -627,3 +644,17 @@ def test_qwen3_matches_transformers() -> None:
     got = _run_loss(bundle, kiln_params(bundle, hf), ids, targets)
     # HF builds its RoPE inverse frequencies in float32 even in a float64 model: ~1e-8 apart
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["block", "auto"])
+def test_interleaved_stacks_recompute_bit_for_bit(recompute: str) -> None:
+    bundle = build_bundle("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 5, "mlp_only_layers": [1, 2]})
+    ids, targets = _batch(np.random.default_rng(4), TINY["vocab_size"])
+    plain = Model.from_ir(bundle, seed=1, dtype="float64")
+    replayed = Model.from_ir(bundle, seed=1, dtype="float64", recompute=recompute)
+    assert any(st.recompute for st in replayed.program(*ids.shape).steps)
+    loss, grads = plain.loss_and_grads(ids, targets)
+    loss2, grads2 = replayed.loss_and_grads(ids, targets)
+    assert loss == loss2 and set(grads) == set(grads2)
+    for name, g in grads.items():
+        np.testing.assert_array_equal(grads2[name], g, err_msg=name)

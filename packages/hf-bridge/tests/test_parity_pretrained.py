@@ -43,6 +43,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe-dense-layer": ("Qwen3MoeConfig", {
         **SMALL, "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
         "moe_intermediate_size": 16, "mlp_only_layers": [0], "tie_word_embeddings": False}),
+    # dense and MoE layers interleaved (decoder_sparse_step and mlp_only_layers); no head_dim in the
+    # config: transformers takes hidden_size // num_attention_heads
+    "qwen3-moe-interleaved": ("Qwen3MoeConfig", {
+        **{k: v for k, v in SMALL.items() if k != "head_dim"}, "num_hidden_layers": 5, "num_experts": 4,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 16,
+        "decoder_sparse_step": 2, "mlp_only_layers": [3], "tie_word_embeddings": False}),
 }
 
 
@@ -172,3 +178,68 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
     with open_checkpoint(tmp_path / "hf") as ckpt:
         assert ckpt.get("model.layers.0.self_attn.q_proj.weight").astype(np.float32).tobytes() == w.tobytes()
     assert json.loads((tmp_path / "f32" / "config.json").read_text())["dtype"] == "float32"
+
+
+def _grads_after(hf: Any, loss: Any, folder: Path) -> dict[str, np.ndarray]:
+    """The gradients of ``loss`` by checkpoint name (``hf``'s weights are overwritten with them)."""
+    hf.zero_grad()
+    loss.backward()
+    return torch_grads_by_checkpoint_name(hf, folder)
+
+
+@pytest.mark.parametrize("case", ["qwen3-untied", "llama-pad"])
+def test_a_left_padded_batch_with_attention_mask_matches_transformers(case: str, tmp_path: Path) -> None:
+    hf = make_checkpoint(case, tmp_path / "hf")
+    model = from_pretrained(tmp_path / "hf")
+    ids, _ = batch()
+    mask = np.ones_like(ids)
+    mask[0, :7], mask[1, :3] = 0, 0  # left padding of different lengths
+    ids[mask == 0] = 0
+    # The last padding position would be scored against the first real token; what it predicts
+    # depends on how an attention treats a row that sees no real key (transformers' eager, sdpa and
+    # kiln differ), so, as a collator should, nothing is scored there.
+    labels = np.where(mask == 1, ids, -100)
+    labels[0, 7], labels[1, 3] = -100, -100
+
+    with torch.no_grad():
+        logits = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    real = mask == 1  # what a padding position computes is nobody's business
+    assert_close(model.logits(ids, attention_mask=mask)[real], logits[real], "logits")
+    # without the mask the real tokens would see the padding: the mask is what makes them agree
+    assert not np.allclose(model.logits(ids)[real], logits[real], atol=1e-3)
+
+    out = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    expected = _grads_after(hf, out.loss, tmp_path / "grads")
+    loss, grads = model.loss_and_grads(ids, shift_labels(labels), attention_mask=mask)
+    assert loss == pytest.approx(out.loss.item(), rel=1e-5)
+    for name, g in expected.items():
+        assert_close(grads[name], g, name)
+
+
+def test_a_packed_sequence_equals_its_documents_unpacked(tmp_path: Path) -> None:
+    # Oracle: transformers on each document alone; the packed row's loss is the mean over all
+    # documents' positions, so its gradient is the sum of the documents' summed-loss gradients / count.
+    hf = make_checkpoint("qwen3-untied", tmp_path / "hf")
+    model = from_pretrained(tmp_path / "hf")
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(1, VOCAB, n) for n in (9, 5, 7, 3)]
+    ids = np.concatenate(docs)[None]
+    positions = np.concatenate([np.arange(len(d)) for d in docs])[None]
+    labels = ids.copy()
+    labels[0, np.cumsum([len(d) for d in docs])[:-1]] = -100  # a document's first token is not predicted
+
+    # (transformers' eager and sdpa attention do not keep packed documents apart: only restarting
+    # positions, so its packed forward is no oracle; its flash-attention-2 path is, on a GPU)
+    with torch.no_grad():
+        alone = np.concatenate([hf(torch.tensor(d[None])).logits.numpy() for d in docs], axis=1)
+    assert_close(model.logits(ids, position_ids=positions), alone, "packed logits")
+
+    count = sum(len(d) - 1 for d in docs)
+    ce = torch.nn.functional.cross_entropy
+    total = sum(ce(hf(torch.tensor(d[None])).logits[0, :-1], torch.tensor(d[1:]), reduction="sum")
+                for d in docs) / count
+    expected = _grads_after(hf, total, tmp_path / "grads")
+    loss, grads = model.loss_and_grads(ids, shift_labels(labels), position_ids=positions)
+    assert loss == pytest.approx(total.item(), rel=1e-5)
+    for name, g in expected.items():
+        assert_close(grads[name], g, name)

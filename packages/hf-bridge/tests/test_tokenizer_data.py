@@ -2,6 +2,7 @@
 dataset: every token exactly once per epoch, shifted labels, seeded shuffles, held-out split,
 resumable position, and streaming a file with bounded memory."""
 
+import itertools
 import json
 import random
 import tracemalloc
@@ -102,19 +103,27 @@ def all_batches(ds: PackedDataset) -> tuple[np.ndarray, np.ndarray]:
 def test_every_token_exactly_once_per_epoch(texts: list[Path], tokenizer: tokenizers.Tokenizer,
                                             separator: str | None) -> None:
     stream = expected_stream(texts, tokenizer, separator)
+    eos = tokenizer.token_to_id(EOS_TOKEN)
     # tiny chunks: documents are cut many times while streaming, and the ids must not change
     ds = PackedDataset(texts, tokenizer, seq_len=16, batch_size=5, separator=separator, shuffle=False,
                        chunk_chars=37)
     assert ds.tokens.tolist() == stream
-    inputs, labels = all_batches(ds)
+    batches = list(ds)
+    inputs, labels, positions = (np.concatenate([b[k] for b in batches])
+                                 for k in ("input_ids", "labels", "position_ids"))
     assert inputs.shape[1] == 16 and inputs.dtype == labels.dtype == np.int64
-    real = labels != IGNORE_INDEX  # only the very last sequence is padded
-    assert real[:-1].all()
-    assert inputs[real].tolist() == stream[:-1]  # each token an input once, but the final EOS
-    assert labels[real].tolist() == stream[1:]  # each token a label once, but the first
-    assert (inputs[~real] == tokenizer.token_to_id(EOS_TOKEN)).all()
-    # labels are the inputs shifted by one: position t predicts labels[t]
-    np.testing.assert_array_equal(labels[:, :-1][real[:, 1:]], inputs[:, 1:][real[:, 1:]])
+    n = len(stream) - 1  # rows cut the stream: each token an input once (but the final EOS)
+    assert inputs.reshape(-1)[:n].tolist() == stream[:-1] and (inputs.reshape(-1)[n:] == eos).all()
+    # each token a label once (but the first), except where an EOS would predict the next document
+    want = [IGNORE_INDEX if x == eos else y for x, y in itertools.pairwise(stream)]
+    assert labels.reshape(-1)[:n].tolist() == want and (labels.reshape(-1)[n:] == IGNORE_INDEX).all()
+    # positions count from each row's start and from every document's start (after an EOS)
+    for row_in, row_pos in zip(inputs, positions, strict=True):
+        count = 0
+        for t, (x, p) in enumerate(zip(row_in, row_pos, strict=True)):
+            assert p == count, (t, p, count)
+            count = 0 if x == eos else count + 1
+    assert ds.efficiency == pytest.approx(n / inputs.size)
 
     shuffled = PackedDataset(texts, tokenizer, seq_len=16, batch_size=5, separator=separator, seed=3,
                              chunk_chars=37)
@@ -122,6 +131,31 @@ def test_every_token_exactly_once_per_epoch(texts: list[Path], tokenizer: tokeni
     assert s_inputs.tolist() != inputs.tolist()
     rows = sorted(zip(map(tuple, inputs), map(tuple, labels), strict=True))
     assert sorted(zip(map(tuple, s_inputs), map(tuple, s_labels), strict=True)) == rows
+
+
+def test_without_packing_each_row_holds_one_document(texts: list[Path],
+                                                     tokenizer: tokenizers.Tokenizer) -> None:
+    stream = expected_stream(texts, tokenizer, "\n\n")
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    docs, doc = [], []  # the oracle: documents (with their EOS), each cut into pieces of 8 pairs
+    for x in stream:
+        doc.append(x)
+        if x == eos:
+            docs.append(doc)
+            doc = []
+    pieces = [d[k:k + 9] for d in docs for k in range(0, len(d) - 1, 8)]
+    ds = PackedDataset(texts, tokenizer, seq_len=8, batch_size=4, separator="\n\n", shuffle=False,
+                       packing=False)
+    inputs, labels = all_batches(ds)
+    assert ds.num_sequences == len(pieces) == len(inputs)
+    for row_in, row_lab, piece in zip(inputs, labels, pieces, strict=True):
+        k = len(piece) - 1
+        assert row_in[:k].tolist() == piece[:-1] and row_lab[:k].tolist() == piece[1:]
+        assert (row_in[k:] == eos).all() and (row_lab[k:] == IGNORE_INDEX).all()
+    assert "position_ids" not in next(iter(ds))
+    packed = PackedDataset(texts, tokenizer, seq_len=8, batch_size=4, separator="\n\n")
+    assert ds.efficiency == pytest.approx(sum(len(p) - 1 for p in pieces) / (8 * len(pieces)))
+    assert ds.efficiency < packed.efficiency
 
 
 def test_shuffle_is_seeded_per_epoch(texts: list[Path], tokenizer: tokenizers.Tokenizer) -> None:

@@ -47,7 +47,7 @@ from kiln.core.plugins._session import (
 )
 from kiln.core.runtime._backend import Backend, Buffer, Executable
 from kiln.core.runtime._kernels import Kernel, KernelTable
-from kiln.core.runtime._model import Model, init_value
+from kiln.core.runtime._model import Model, init_value, segment_ids
 
 try:
     __version__ = version("kiln-core")
@@ -115,4 +115,5 @@ __all__ = [
     "register_op",
     "register_plugin",
     "reset_plugins",
+    "segment_ids",
 ]

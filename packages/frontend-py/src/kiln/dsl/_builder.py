@@ -496,6 +496,7 @@ class GraphBuilder:
     def flash_attention(
         self,
         qkv: Any,
+        segment_ids: Any = None,
         *,
         causal: bool = True,
         softmax_scale: float | None = None,
@@ -506,14 +507,17 @@ class GraphBuilder:
         out_name: str | None = None,
         lse_name: str | None = None,
     ) -> tuple[GraphRef, GraphRef]:
-        """Attention on packed ``[B, T, (Hq + 2 * Hkv) * D]`` qkv; heads default to the module's dims."""
+        """Attention on packed ``[B, T, (Hq + 2 * Hkv) * D]`` qkv; heads default to the module's dims.
+        ``segment_ids [B, T]`` (optional) keeps each query to keys of its own segment (packed documents,
+        padding)."""
         attrs = {
             **self._heads("flash_attention", Hq, Hkv, D),
             "causal": causal,
             "softmax_scale": softmax_scale,
             "window_size": window_size,
         }
-        out, lse = self._emit("flash_attention", [qkv], attrs, [out_name, lse_name])
+        ins = [qkv] if segment_ids is None else [qkv, segment_ids]
+        out, lse = self._emit("flash_attention", ins, attrs, [out_name, lse_name])
         return out, lse
 
     def flash_attention_qkv(
@@ -521,6 +525,7 @@ class GraphBuilder:
         q: Any,
         k: Any,
         v: Any,
+        segment_ids: Any = None,
         *,
         causal: bool = True,
         softmax_scale: float | None = None,
@@ -528,9 +533,11 @@ class GraphBuilder:
         out_name: str | None = None,
         lse_name: str | None = None,
     ) -> tuple[GraphRef, GraphRef]:
-        """Attention on separate ``[B, T, H, D]`` q, k, v (kiln op ``attention``)."""
+        """Attention on separate ``[B, T, H, D]`` q, k, v (kiln op ``attention``); ``segment_ids`` as in
+        :meth:`flash_attention`."""
         attrs = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size}
-        out, lse = self._emit("attention", [q, k, v], attrs, [out_name, lse_name])
+        ins = [q, k, v] if segment_ids is None else [q, k, v, segment_ids]
+        out, lse = self._emit("attention", ins, attrs, [out_name, lse_name])
         return out, lse
 
     def rope(

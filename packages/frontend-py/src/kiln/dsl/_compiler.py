@@ -957,11 +957,36 @@ class _Compiler:
                 maps[name] = mapping_json(value, f"{spec.name}.{array}.{name}", loc, diags, index_var)
                 diags += _lora_pairing(block_params[name], maps[name], f"{spec.name}.{array}.{name}", loc)
             out[array] = {"type": "indexed", "index": index_var, "module": block.name, "mappings": maps}
-            if "layer_offset" in entry:
-                out[array]["layer_offset"] = self.layer_offset(spec, array, scope, *entry["layer_offset"])
+            if "layers" in entry or "layer_offset" in entry:
+                out[array]["layers"] = self.hf_layers(spec, array, scope, arr, entry)
             self.attach_block_mappings(block.name, maps)
         self.errors += [d for d in diags if d.is_error]
         return {k: v for k, v in out.items() if v is not None}
+
+    def hf_layers(self, spec: ModuleSpec, array: str, scope: Scope, arr: ParamSpec,
+                  entry: dict[str, Any]) -> list[int]:
+        """The HF layer of each block of ``array``: its mapping's ``layers`` (a list, or a config
+        attribute holding one) or ``layer_offset + i``."""
+        assert arr.count is not None
+        count = arr.count.evaluate(scope.bindings())
+        if "layer_offset" in entry:
+            offset = self.layer_offset(spec, array, scope, *entry["layer_offset"])
+            return [offset + i for i in range(count)]
+        value, loc = entry["layers"]
+        try:
+            found = scope.lookup(value) if isinstance(value, str) else value
+        except KeyError:
+            found = None
+        if not (isinstance(found, list | tuple) and len(found) == count
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found)):
+            raise error(
+                "E010",
+                f"{spec.name}: layers={value!r} of the indexed mapping for {array!r} must be a list of "
+                f"{count} non-negative ints (the HF layer of each block), found {found!r}",
+                'e.g. @hf_mapping.indexed("blocks", layers="moe_layers", ...) with self.moe_layers = [1, 3]',
+                loc,
+            )
+        return list(found)
 
     def layer_offset(self, spec: ModuleSpec, array: str, scope: Scope, value: Any, loc: str | None) -> int:
         """The HF layer of the first block of ``array``, as an int of the model's config."""
@@ -1039,12 +1064,13 @@ class _Compiler:
         arrays = self.arrays.get(id(builder._state), {})
         blocks = kwargs.pop("blocks", None)
         n_layers = kwargs.pop("n_layers", None)
+        first = kwargs.pop("first", 0)
         names = kwargs.pop("out_names", ())
         if kwargs:
             raise error(
                 "E003",
                 f"StackedBlocks: unknown argument(s) {', '.join(kwargs)}",
-                "it takes blocks=, n_layers=, num_outputs= and out_names=",
+                "it takes blocks=, n_layers=, first=, num_outputs= and out_names=",
                 loc,
             )
         if blocks is None:
@@ -1077,11 +1103,15 @@ class _Compiler:
             n = builder.scope.value(n_layers)
         except DSLError as exc:
             raise error(exc.code or "E002", f"StackedBlocks n_layers: {exc.message}", exc.hint, loc) from None
-        if n > count:
+        try:
+            first = builder.scope.value(first)
+        except DSLError as exc:
+            raise error(exc.code or "E002", f"StackedBlocks first: {exc.message}", exc.hint, loc) from None
+        if first < 0 or first + n > count:
             raise error(
                 "E003",
-                f"StackedBlocks runs {n} layers but {blocks!r} stacks {count}",
-                "n_layers= must not exceed the Array's count",
+                f"StackedBlocks runs layers {first} to {first + n - 1} but {blocks!r} stacks {count}",
+                "first= + n_layers= must not exceed the Array's count",
                 loc,
             )
         fwd = built.module.forward
@@ -1123,9 +1153,10 @@ class _Compiler:
             TensorType([builder.lift(translate(d, built.scope, builder.scope)) for d in o.shape], o.dtype)
             for o in fwd.outputs
         ]
-        outs = builder.emit_call(
-            refs, types, {"module": built.module.name, "n_layers": n, "params": blocks}, list(names)
-        )
+        attrs = {"module": built.module.name, "n_layers": n, "params": blocks}
+        if first:
+            attrs["first"] = first
+        outs = builder.emit_call(refs, types, attrs, list(names))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def inline_call(

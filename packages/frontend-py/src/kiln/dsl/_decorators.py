@@ -422,10 +422,12 @@ class _HFMappingDecorator:
         return wrap
 
     def indexed(
-        self, array_param: str, index_var: str = "{layer}", layer_offset: Any = 0, **mappings: Any
+        self, array_param: str, index_var: str = "{layer}", layer_offset: Any = 0, layers: Any = None,
+        **mappings: Any
     ) -> Callable[[type], type]:
-        """``layer_offset`` (an int, or a config name or dim expression of the model) is the HF layer of
-        the stack's first block: ``{layer}`` of block ``i`` is ``layer_offset + i``."""
+        """``{layer}`` of block ``i`` is HF layer ``layers[i]``: ``layers`` is a list of ints or the name
+        of a model attribute holding one (stacks whose layers interleave); ``layer_offset`` (an int,
+        or a config name or dim expression of the model) makes it ``layer_offset + i``."""
         loc = user_location()
 
         def wrap(cls: type) -> type:
@@ -433,6 +435,8 @@ class _HFMappingDecorator:
             entry["mappings"].update({k: (v, loc) for k, v in mappings.items()})
             if layer_offset != 0:
                 entry["layer_offset"] = (layer_offset, loc)
+            if layers is not None:
+                entry["layers"] = (layers, loc)
             return cls
 
         return wrap

@@ -7,9 +7,15 @@ its labels, not these.) Padding only ever ends the last sequence of the corpus: 
 with the EOS id, ``labels`` with ``-100``, the ``ignore_index`` of kiln's losses.
 
 Packing. The files, in the order given, are one token stream: each document's tokens, then the EOS.
-Sequence ``i`` covers stream positions ``[i*T, i*T + T]`` (inputs the first ``T``, labels the last
-``T``), so in one epoch every stream token is an input exactly once (but the final EOS) and a label
-exactly once (but the first token). Sequences cross document boundaries, as HF's ``group_texts`` does.
+With ``packing`` (the default), sequence ``i`` covers stream positions ``[i*T, i*T + T]`` (inputs the
+first ``T``, labels the last ``T``), so in one epoch every stream token is an input exactly once (but
+the final EOS) and a label exactly once (but the first token and each document's first token). A
+row holds several documents, kept apart as transformers' flash-attention-2 packing does: its
+``position_ids`` restart after every EOS, so each token attends only to its own document, and an
+EOS is not trained to predict the next document's first token (label -100). A document longer than
+the rest of a row continues in the next. Without ``packing`` each row holds one document (or a
+``T``-token piece of a longer one), right-padded; :attr:`PackedDataset.efficiency` says how much of
+the rows is padding.
 
 Streaming. Text is read ``chunk_chars`` characters at a time and the token ids go to a file on disk
 (memory-mapped afterwards), so files larger than memory work and are tokenized once. Inside a
@@ -100,7 +106,8 @@ def _tokenize(files: list[Path], tokenizer: Tokenizer, eos: int, separator: str 
 
 
 class PackedDataset:
-    """Batches ``{"input_ids", "labels"}`` (int64 ``[batch_size, seq_len]``) packed from text files.
+    """Batches ``{"input_ids", "labels"}`` (int64 ``[batch_size, seq_len]``) from text files, packed
+    (then with ``position_ids`` that restart per document) or one document per row.
 
     ``tokenizer`` is a ``tokenizers.Tokenizer`` or a path for :func:`load_tokenizer`; ``eos_token``
     ends every document. A document is a whole file, or with ``separator`` (e.g. ``"\\n"``,
@@ -118,7 +125,7 @@ class PackedDataset:
                  seq_len: int, batch_size: int, eos_token: str = EOS_TOKEN, separator: str | None = None,
                  seed: int = 0, shuffle: bool = True, validation_fraction: float = 0.0,
                  drop_last: bool = False, cache_dir: str | Path | None = None,
-                 chunk_chars: int = 1 << 18) -> None:
+                 chunk_chars: int = 1 << 18, packing: bool = True) -> None:
         paths = [Path(files)] if isinstance(files, str | Path) else [Path(f) for f in files]
         for p in paths:
             if not p.is_file():
@@ -134,7 +141,7 @@ class PackedDataset:
         if not 0.0 <= validation_fraction < 1.0:
             raise DataError(f"validation_fraction must be in [0, 1), found {validation_fraction!r}")
         self.files, self.seq_len, self.batch_size, self.eos_id = paths, seq_len, batch_size, eos
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.seed, self.shuffle, self.drop_last, self.packing = seed, shuffle, drop_last, packing
         self.validation_fraction = validation_fraction
         self.split: Literal["train", "validation"] = "train"
 
@@ -166,10 +173,36 @@ class PackedDataset:
         if temporary:  # gone with the last dataset sharing these tokens (see validation())
             weakref.finalize(self.tokens, shutil.rmtree, cache, ignore_errors=True)
         self._key = key
+        self._table = self._pieces()
         self._setup()
 
+    def _pieces(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Without packing: where each row starts in the stream and how many (input, label) pairs it
+        holds (each document, its tokens and EOS, cut into pieces of seq_len pairs). None when packed:
+        row ``i`` starts at ``i * seq_len``."""
+        if self.packing:
+            return None
+        t, n, step = self.seq_len, len(self.tokens), 1 << 20
+        ends = np.concatenate([[-1], *(np.flatnonzero(self.tokens[i:i + step] == self.eos_id) + i
+                                       for i in range(0, n, step))])  # scanned a part at a time
+        if ends[-1] != n - 1:
+            ends = np.append(ends, n - 1)
+        firsts, ends = ends[:-1] + 1, ends[1:]
+        keep = ends > firsts  # a document of one token has no pair
+        firsts, ends = firsts[keep], ends[keep]
+        counts = -(-(ends - firsts) // t)  # pieces per document
+        piece = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.repeat(firsts, counts) + t * piece
+        return starts, np.minimum(t, np.repeat(ends, counts) - starts)
+
+    def _piece(self, i: int) -> tuple[int, int]:
+        if self._table is None:
+            start = i * self.seq_len
+            return start, min(self.seq_len, len(self.tokens) - 1 - start)
+        return int(self._table[0][i]), int(self._table[1][i])
+
     def _setup(self) -> None:
-        windows = -(-(len(self.tokens) - 1) // self.seq_len)
+        windows = -(-(len(self.tokens) - 1) // self.seq_len) if self._table is None else len(self._table[0])
         held = round(windows * self.validation_fraction)
         if self.validation_fraction and (held == 0 or held == windows):
             held = 1
@@ -198,6 +231,16 @@ class PackedDataset:
         return self._count
 
     @property
+    def efficiency(self) -> float:
+        """The share of this split's row positions that hold a token rather than padding."""
+        first, end = self._first, self._first + self._count
+        if self._table is None:
+            pairs = min(end * self.seq_len, len(self.tokens) - 1) - first * self.seq_len
+        else:
+            pairs = int(self._table[1][first:end].sum())
+        return pairs / max(1, self._count * self.seq_len)
+
+    @property
     def epoch(self) -> int:
         return self._epoch + (self._batch >= len(self))
 
@@ -222,7 +265,7 @@ class PackedDataset:
 
     def _fingerprint(self) -> str:
         settings = [self._key, self.seq_len, self.batch_size, self.seed, self.shuffle, self.drop_last,
-                    self.validation_fraction, self.split]
+                    self.validation_fraction, self.split, *([] if self.packing else ["unpacked"])]
         return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -240,12 +283,22 @@ class PackedDataset:
             self._batch += 1
             yield self._rows(rows)
 
-    def _rows(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+    def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         t = self.seq_len
-        input_ids = np.full((len(windows), t), self.eos_id, np.int64)
-        labels = np.full((len(windows), t), IGNORE_INDEX, np.int64)
-        for row, w in enumerate(windows):
-            seg = self.tokens[w * t: w * t + t + 1]
-            input_ids[row, :len(seg) - 1] = seg[:-1]
-            labels[row, :len(seg) - 1] = seg[1:]
-        return {"input_ids": input_ids, "labels": labels}
+        input_ids = np.full((len(rows), t), self.eos_id, np.int64)
+        labels = np.full((len(rows), t), IGNORE_INDEX, np.int64)
+        for row, i in enumerate(rows):
+            start, pairs = self._piece(i)
+            seg = self.tokens[start: start + pairs + 1]
+            input_ids[row, :pairs] = seg[:-1]
+            labels[row, :pairs] = seg[1:]
+        if not self.packing:
+            return {"input_ids": input_ids, "labels": labels}
+        # a document starts after each EOS: its positions restart, and the EOS predicts nothing
+        ends = input_ids == self.eos_id
+        labels[ends] = IGNORE_INDEX
+        index = np.arange(t)
+        starts = np.zeros_like(ends)
+        starts[:, 1:] = ends[:, :-1]
+        first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": index - first}

@@ -229,9 +229,9 @@ def _stack_mappings(model: Module, modules: Mapping[str, Module], stack: str) ->
 
 
 def _layer_offsets(model: Module, modules: Mapping[str, Module], ints: Mapping[str, int]) -> dict[str, int]:
-    """HF layer index of each stack's first layer. Stacks run in the order the forward calls them;
-    a stack whose key templates repeat an earlier stack's continues that stack's layer numbering
-    (Qwen3-MoE: ``dense_blocks`` are HF layers 0..k-1, ``blocks.{i}`` is HF layer k + i)."""
+    """HF layer index of each stack's first layer, for stacks whose mapping lists no ``layers``
+    (:meth:`Module.hf_layers`). Stacks run in the order the forward calls them; a stack whose key
+    templates repeat an earlier stack's continues that stack's layer numbering."""
     assert model.forward is not None
     done: list[tuple[set[str], int]] = []
     offsets: dict[str, int] = {}
@@ -272,8 +272,9 @@ def weight_entries(bundle: Bundle) -> list[Entry]:
         bints = {**ints, **dim_bindings(block.config)}
         maps, var = _stack_mappings(model, mods, spec.name)
         assert spec.count is not None
-        for i in range(spec.count.evaluate(ints)):
-            layer = str(offsets.get(spec.name, 0) + i)
+        count = spec.count.evaluate(ints)
+        layers = model.hf_layers(spec.name, count) or [offsets.get(spec.name, 0) + i for i in range(count)]
+        for i, layer in enumerate(map(str, layers)):
             for b in block.params:
                 key = f"{spec.name}.{i}.{b.name}"
                 out.append(Entry(key, evaluate_shape(b.shape, bints), _fill(mapping(maps.get(b.name), key),
@@ -297,13 +298,14 @@ class PretrainedModel(Model):
         # nothing to draw: the checkpoint fills the (zeroed) weights; see from_pretrained
         super().__init__(module_ir, init=None, **options)
 
-    def loss_and_grads(self, input_ids: Any, labels: Any, *,
-                       names: str = "hf") -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, input_ids: Any, labels: Any, *, attention_mask: Any = None,
+                       position_ids: Any = None, names: str = "hf") -> tuple[float, dict[str, np.ndarray]]:
         """The mean loss and the gradients, keyed by checkpoint tensor name (``names="kiln"``: by
         kiln parameter). A trained parameter without a HF tensor (a LoRA adapter) keeps its kiln name."""
         if names not in ("hf", "kiln"):
             raise KilnError(f"names={names!r} is not valid; expected 'hf' or 'kiln'")
-        loss, grads = super().loss_and_grads(input_ids, labels)
+        loss, grads = super().loss_and_grads(input_ids, labels, attention_mask=attention_mask,
+                                             position_ids=position_ids)
         if names == "kiln":
             return loss, grads
         mapped = {p.param for p in self.weights.pieces}

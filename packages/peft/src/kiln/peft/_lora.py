@@ -32,7 +32,6 @@ from kiln.core.ir import (
     ParamSpec,
     TensorDecl,
     dim_bindings,
-    parse_dim,
     simplify,
     thaw,
 )
@@ -122,13 +121,11 @@ def _candidates(bundle: Bundle) -> Iterable[Candidate]:
             continue
         block = bundle.module(spec.array_of)
         indexed = thaw(model.hf_mappings.get(spec.name)) or {}
-        offset = indexed.get("layer_offset", 0)
-        offset = parse_dim(str(offset)).evaluate(ints) if offset else 0
         count = spec.count.evaluate(ints) if spec.count is not None else 0
+        layers = [str(i) for i in model.hf_layers(spec.name, count) or range(count)]
         maps = indexed.get("mappings") or {}
         for bspec in block.params:
             if bspec.lora_targets:
-                layers = [str(offset + i) for i in range(count)]
                 yield (block, spec.name, layers, {**ints, **dim_bindings(block.config)}, bspec,
                        maps.get(bspec.name, thaw(bspec.hf_mapping)), indexed.get("index", "{layer}"))
 

@@ -121,13 +121,14 @@ class PeftModel(Model):
                                    f"{s.in_features} weight kiln expects {list(shape)}", file=file, key=name)
         self.set_parameters({kiln: tensors[name] for name, (kiln, _, _) in expected.items()})
 
-    def loss_and_grads(self, input_ids: Any, labels: Any, *,
-                       names: str = "peft") -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, input_ids: Any, labels: Any, *, attention_mask: Any = None,
+                       position_ids: Any = None, names: str = "peft") -> tuple[float, dict[str, np.ndarray]]:
         """The mean loss and the adapter gradients, keyed by PEFT file name (``names="kiln"``: by kiln
         parameter). Base weights are frozen: they have none."""
         if names not in ("peft", "kiln"):
             raise KilnError(f"names={names!r} is not valid; expected 'peft' or 'kiln'")
-        loss, grads = super().loss_and_grads(input_ids, labels)
+        loss, grads = super().loss_and_grads(input_ids, labels, attention_mask=attention_mask,
+                                             position_ids=position_ids)
         return loss, grads if names == "kiln" else {self._names[k]: g for k, g in grads.items()}
 
     def save_pretrained(self, save_directory: str | Path) -> list[Path]:

@@ -139,8 +139,10 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
             contribs, d_block_params = _call_backward(op, d_outs, needs, modules, opts, registry, emitted,
                                                       namer, types)
             stack = op.attrs.get("params")
+            # a stack several calls run (its layers interleaved with another stack's) keeps the name of
+            # the gradient the backward meets first; each call's holds the gradients of its own layers
             if stack in params and stack not in stops:
-                grads[stack] = d_block_params
+                grads.setdefault(stack, d_block_params)
         else:
             opdef = registry.get_op(op.type)
             want = [bool(n) and n in needs and k not in opdef.nondiff_inputs for k, n in enumerate(op.inputs)]

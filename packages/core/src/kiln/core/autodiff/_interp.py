@@ -85,8 +85,11 @@ def _callee(op: Op, modules: Mapping[str, Module] | None) -> Module:
     return callee
 
 
-def _layers(op: Op, callee: Module, binds: Mapping[str, int]) -> tuple[str, int, dict[str, int]]:
-    return (str(op.attrs.get("params", "blocks")), parse_dim(op.attrs["n_layers"]).evaluate(binds),
+def _layers(op: Op, callee: Module, binds: Mapping[str, int]) -> tuple[str, range, dict[str, int]]:
+    """The stack a call runs (its parameter prefix), the indices of its layers, the block's bindings."""
+    first = int(op.attrs.get("first", 0))
+    n_layers = parse_dim(op.attrs["n_layers"]).evaluate(binds)
+    return (str(op.attrs.get("params", "blocks")), range(first, first + n_layers),
             {**binds, **dim_bindings(callee.config)})
 
 
@@ -96,9 +99,9 @@ def _layer_envs(op: Op, callee: Module, ins: list[Any], env: Mapping[str, Any], 
     """Run the block once per layer; returns each layer's environment and the last layer's carry."""
     g = callee.forward
     assert g is not None
-    prefix, n_layers, sub_binds = _layers(op, callee, binds)
+    prefix, layers, sub_binds = _layers(op, callee, binds)
     carry, envs = list(ins), []
-    for i in range(n_layers):
+    for i in layers:
         layer = {d.name: v for d, v in zip(g.inputs, carry, strict=True)}
         for d in g.params:
             key = f"{prefix}.{i}.{d.name}"
@@ -128,7 +131,7 @@ def _call_backward(op: Op, callee: Module, ins: list[Any], env: Mapping[str, Any
     g = callee.forward
     assert g is not None
     n_out, n_in = len(g.outputs), len(g.inputs)
-    prefix, _, sub_binds = _layers(op, callee, binds)
+    prefix, layers, sub_binds = _layers(op, callee, binds)
     envs, _ = _layer_envs(op, callee, ins[n_out:], env, registry, binds, float_dtype, modules)
     res = block_backward(callee, DeriveBackwardOptions(), registry, modules)
     p = str(res.backward.metadata.get("grad_prefix", "d_"))
@@ -138,13 +141,13 @@ def _call_backward(op: Op, callee: Module, ins: list[Any], env: Mapping[str, Any
     d_rest: list[Any] = [None] * (n_in - n_out)  # inputs passed to every layer: their gradients add up
     d_params: dict[str, Any] = {}
     for i in reversed(range(len(envs))):
-        layer = {**envs[i], **{f"saved.{k}": v for k, v in envs[i].items()}}
+        layer = {**envs[i], **{f"saved.{k}": v for k, v in envs[i].items()}}  # the stack's layers[i]
         layer.update({p + d.name: dc for d, dc in zip(g.outputs, d_carry, strict=True) if p + d.name in fed})
         out = run_graph(res.backward, layer, registry=registry, bindings=sub_binds, float_dtype=float_dtype,
                         modules=modules)
         for d in g.params:
             if d.name in grads:
-                d_params[f"{prefix}.{i}.{d.name}"] = out[grads[d.name]]
+                d_params[f"{prefix}.{layers[i]}.{d.name}"] = out[grads[d.name]]
         d_in = [out.get(grads[d.name]) if d.name in grads else None for d in g.inputs]
         d_carry = [dc if dc is not None else np.zeros_like(envs[i][d.name])
                    for d, dc in zip(g.inputs[:n_out], d_in[:n_out], strict=True)]

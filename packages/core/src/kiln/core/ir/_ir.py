@@ -486,6 +486,18 @@ class Module(_IRNode):
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
 
+    def hf_layers(self, stack: str, count: int) -> list[int] | None:
+        """The HF layer of each of the ``count`` blocks of layer stack ``stack``, as its indexed HF
+        mapping's ``layers`` lists them; None when it lists none."""
+        entry = self.hf_mappings.get(stack)
+        layers = entry.get("layers") if isinstance(entry, Mapping) else None
+        if layers is None:
+            return None
+        if len(layers) != count:
+            raise IRError(f"module {self.name!r}: the HF mapping of {stack!r} lists {len(layers)} layers for "
+                          f"{count} blocks")
+        return [int(i) for i in layers]
+
     def verify(self, *, registry: Any = None, modules: Mapping[str, Module] | None = None) -> None:
         from kiln.core.ir._verify import verify
 

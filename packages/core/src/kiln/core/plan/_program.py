@@ -32,7 +32,7 @@ import numpy as np
 from kiln.core._errors import KilnError, OpError
 from kiln.core.autodiff._autodiff import DeriveBackwardOptions, derive_backward
 from kiln.core.ir._dims import dim_bindings, evaluate_shape, parse_dim
-from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, is_float
+from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, _strs, is_float
 from kiln.core.ops._ops import Cost, InferContext, OpRegistry
 from kiln.core.plan._optim import Optimizer, make_optimizer
 from kiln.core.plan._passes import PassRun, PassSpec, run_passes
@@ -41,6 +41,7 @@ from kiln.core.plan.recompute import (
     BlockPlan,
     PlanContext,
     RecomputePlan,
+    _ops,
     _size,
     plan_recompute,
 )
@@ -101,7 +102,7 @@ class Step:
     """One scheduled op. ``how``: ``kernel`` (the kernel returns its results, copied into the slots),
     ``out`` (an ``out=`` kernel writes the slots), ``alias`` (nothing to run: the output shares its
     input's storage), ``copy`` (a view that must land in its own slot), ``optimizer`` (an update in
-    place, with the step's run-time scalars).
+    place, with the step's run-time scalars: an optimizer update, or a collective of a SyncPlan).
     ``recompute``: a forward op replayed in the backward (its outputs are ``<key>:recompute``)."""
 
     index: int
@@ -133,6 +134,27 @@ class ParamInfo:
     trainable: bool
     grad: str | None = None
     state: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class SyncPlan:
+    """What data parallelism adds to one rank's training Program (kiln-dist's ``DataParallel`` makes
+    it; see ``compile``). Ops are collectives that update their inputs in place:
+
+    - ``grad_sync``: run after the backward; an input that names a trained parameter reads its
+      gradient (an all-reduce of a bucket of gradients; ZeRO-1: a reduce-scatter to their owners);
+    - ``owned``: the trained parameters whose update and optimizer state this rank holds (None: all);
+    - ``norm``: the tensors the global gradient norm is taken over (None: every gradient; ZeRO-1: a
+      tensor of ``outputs`` that a ``grad_sync`` op fills with the norm over every rank's share);
+    - ``after_update``: run after the updates, on the parameters themselves (ZeRO-1's all-gather);
+    - ``outputs``: 1-element tensors of the Program's float type that the ops write, read by the host.
+    """
+
+    grad_sync: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
+    owned: frozenset[str] | None = None
+    norm: tuple[str, ...] | None = None
+    after_update: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
+    outputs: tuple[str, ...] = attrs.field(default=(), converter=_strs)
 
 
 @attrs.frozen
@@ -313,7 +335,7 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
             recompute_options: Mapping[str, Any] | None = None, memory_budget: int | None = None,
             modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: Any = "adamw",
             dtype: str = "float32", registry: OpRegistry | None = None, kernels: Any = None,
-            passes: Sequence[PassSpec] = ()) -> Program:
+            passes: Sequence[PassSpec] = (), sync: SyncPlan | None = None) -> Program:
     """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``), planned
     for ``backend`` (a registered name or a backend object): every op runs the kernel the kernel table
     has for it there (an op without one is an error naming both), and fusions the backend implements
@@ -331,6 +353,8 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     as a fraction of the no-recompute ones (float), 0.5 by default. ``passes``: graph passes from the
     ``graph_passes`` registry to run first, each a name or ``(name, options)`` (``("lora", {"r": 8})``),
     by stage (``adapt``, then ``shard``); every pass run is recorded in ``Program.passes``.
+    ``sync``: one data-parallel rank's :class:`SyncPlan` (its collectives, visible as steps of the
+    ``grad_sync`` and ``optimizer`` phases; its share of the optimizer state).
     """
     _choice("mode", mode, TRAINING_MODES)
     _choice("task", task, TASKS)
@@ -345,7 +369,7 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     model, mods = _resolve(module_ir, modules)
     if task != "train":
         model, mods = _inference(model), {k: _inference(m) for k, m in mods.items()}
-    s = _Scheduler(model, mods, _ops_registry(registry), target, _binds(model, bindings), mode)
+    s = _Scheduler(model, mods, _ops_registry(registry), target, _binds(model, bindings), mode, sync)
     s.schedule_forward(task)
     plan = RecomputePlan("none", mode)
     if task == "train":
@@ -435,6 +459,7 @@ class _Call:
     callee: Module
     prefix: str
     layers: list[dict[str, str]]  # per layer: block tensor name -> key
+    first: int  # the stack's layer the call starts at (layers first .. first + len(layers) - 1)
     binds: dict[str, int]
     inputs: list[str] = attrs.Factory(list)  # keys the stack reads and returns
     outputs: list[str] = attrs.Factory(list)
@@ -443,7 +468,7 @@ class _Call:
 
 class _Scheduler:
     def __init__(self, model: Module, modules: dict[str, Module], registry: OpRegistry, target: Target,
-                 binds: dict[str, int], mode: str) -> None:
+                 binds: dict[str, int], mode: str, sync: SyncPlan | None = None) -> None:
         self.model, self.modules, self.registry, self.binds = model, modules, registry, binds
         self.target, self.mode = target, mode
         self.float_dtype = _kernel_dtype(target.dtype)
@@ -452,6 +477,9 @@ class _Scheduler:
         self.kinds: dict[str, str] = {}  # pinned keys: weight, gradient, optimizer_state, input
         self.params = model_params(model, modules, binds, mode)
         self.trainable = {key for key, _, _, t in self.params if t}
+        self.sync = sync or SyncPlan()
+        #: the trained parameters this rank updates and keeps optimizer state for
+        self.owned = self.trainable if self.sync.owned is None else self.trainable & self.sync.owned
         self.grads: dict[str, str] = {}  # param key -> key of its gradient tensor
         self.calls: dict[tuple[str, ...], _Call] = {}
         self.optimizer: Optimizer | None = target.optimizer
@@ -516,7 +544,7 @@ class _Scheduler:
 
     def state(self, key: str) -> tuple[str, ...]:
         opt = self.optimizer
-        return tuple(f"{opt.name}.{m}.{key}" for m in opt.state) if opt and key in self.trainable else ()
+        return tuple(f"{opt.name}.{m}.{key}" for m in opt.state) if opt and key in self.owned else ()
 
     # -- the passes over the graphs
 
@@ -569,7 +597,14 @@ class _Scheduler:
                 self.kinds[k] = "gradient" if k == f"grad.{key}" else "optimizer_state"
             if key in self.trainable:
                 self.grads.setdefault(key, f"grad.{key}")
-        if task == "train" and self.optimizer is not None:
+        if task != "train":
+            return
+        for name in self.sync.outputs:
+            self.types[name], self.kinds[name] = ((1,), "fp32"), "output"
+        for op in self.sync.grad_sync:
+            self.add_update(attrs.evolve(op, inputs=[self.grads.get(i, i) for i in op.inputs]), op.attrs,
+                            "grad_sync")
+        if self.optimizer is not None:
             self.optimizer_steps(self.optimizer)
 
     # -- what the recompute planner sees
@@ -596,8 +631,8 @@ class _Scheduler:
 
     def block_options(self, call: _Call) -> DeriveBackwardOptions:
         assert call.callee.forward is not None
-        return DeriveBackwardOptions(stop_gradients=self.stops(call.callee.forward, f"{call.prefix}.0."),
-                                     loss_name=None)
+        stops = self.stops(call.callee.forward, f"{call.prefix}.{call.first}.")
+        return DeriveBackwardOptions(stop_gradients=stops, loss_name=None)
 
     def plan_context(self) -> PlanContext:
         """The blocks of the forward just scheduled, sized and costed for this shape."""
@@ -671,7 +706,7 @@ class _Scheduler:
         g = callee.forward
         if any(o.type in ("call", "call_backward") for o in g.ops):
             raise KilnError(f"block {callee.name!r} calls another block; nested stacks are not supported")
-        prefix = str(op.attrs.get("params", "blocks"))
+        prefix, first = _stack(op)
         binds = {**self.binds, **dim_bindings(callee.config)}
         n_layers = parse_dim(op.attrs["n_layers"]).evaluate(self.binds)
         carry = [env[i] for i in op.inputs]
@@ -680,9 +715,9 @@ class _Scheduler:
                             f"outputs; the block takes {len(g.inputs)} and returns {len(g.outputs)}",
                             code="E003")
         layers: list[dict[str, str]] = []
-        first: list[int] = []
+        first_steps: list[int] = []
         call_inputs = list(carry)
-        for i in range(n_layers):
+        for i in range(first, first + n_layers):
             lenv: dict[str, str] = {}
             for d, key in zip(g.inputs, carry, strict=True):
                 want = evaluate_shape(d.shape, binds)
@@ -697,16 +732,16 @@ class _Scheduler:
                     raise KilnError(f"block parameter {d.name!r} has no ParamSpec in {callee.name!r}",
                                     code="E002")
             for bop in g.ops:
-                if i == 0:
-                    first.append(len(self.steps))
+                if i == first:
+                    first_steps.append(len(self.steps))
                 self.add("forward", bop, [lenv[n] if n else "" for n in bop.inputs],
                          self.own(bop.outputs, lenv, f"{prefix}.{i}."), binds, i)
             carry[:len(g.outputs)] = [lenv[d.name] for d in g.outputs]
             layers.append(lenv)
         for name, key in zip(op.outputs, carry, strict=False):
             env[name] = key
-        self.calls[(callee.name, prefix)] = _Call(callee, prefix, layers, binds, call_inputs,
-                                                  carry[:len(g.outputs)], first)
+        self.calls[(callee.name, prefix, str(first))] = _Call(
+            callee, prefix, layers, first, binds, call_inputs, carry[:len(g.outputs)], first_steps)
 
     def stops(self, graph: Graph, prefix: str = "") -> tuple[str, ...]:
         """Parameters of ``graph`` that get no gradient; a stack trains if any of its parameters does."""
@@ -764,7 +799,8 @@ class _Scheduler:
 
     def backward_call(self, op: Op, ins: list[str], benv: dict[str, str]) -> None:
         callee = self.modules[str(op.attrs["module"])]
-        call = self.calls[(callee.name, str(op.attrs.get("params", "blocks")))]
+        prefix, first = _stack(op)
+        call = self.calls[(callee.name, prefix, str(first))]
         g = callee.forward
         assert g is not None
         n_out = len(g.outputs)
@@ -775,8 +811,8 @@ class _Scheduler:
         fed = {d.name for d in res.backward.inputs}
         d_chain = list(ins[:n_out])
         d_rest: list[str | None] = [None] * (len(g.inputs) - n_out)
-        for i in reversed(range(len(call.layers))):
-            lenv = call.layers[i]
+        for i in reversed(range(first, first + len(call.layers))):
+            lenv = call.layers[i - first]
             e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
             pre = f"{call.prefix}.{i}."
             rc = _Replay(self, bplan, call, i) if bplan is not None and bplan.recomputed else None
@@ -822,20 +858,29 @@ class _Scheduler:
             return
         self.update = True
         self.types[WORKSPACE] = ((max(math.prod(s) for _, _, s in trained),), "fp32")
-        grads = tuple(self.grads[k] for k, _, _ in trained)
-        self.add_update(Op("grad_norm", grads, ()), {})
+        norm = self.sync.norm if self.sync.norm is not None else tuple(self.grads[k] for k, _, _ in trained)
+        self.add_update(Op("grad_norm", norm, ()), {})
         for key, spec, _ in trained:
-            ins = (key, self.grads[key], *self.state(key), WORKSPACE)
-            self.add_update(Op(opt.update_op, ins, ()), opt.update_attrs(key, spec.inferred_role()))
+            if key in self.owned:
+                ins = (key, self.grads[key], *self.state(key), WORKSPACE)
+                self.add_update(Op(opt.update_op, ins, ()), opt.update_attrs(key, spec.inferred_role()))
+        for op in self.sync.after_update:
+            self.add_update(op, op.attrs)
 
-    def add_update(self, op: Op, attrs_: Mapping[str, Any]) -> None:
+    def add_update(self, op: Op, attrs_: Mapping[str, Any], phase: str = "optimizer") -> None:
+        """An op updating its inputs in place: an optimizer update, or a collective of a SyncPlan."""
         opdef = self.registry.get_op(op.type)
-        self.steps.append(Step(len(self.steps), "optimizer", op, None, op.inputs, (), "optimizer",
+        self.steps.append(Step(len(self.steps), phase, op, None, op.inputs, (), "optimizer",
                                FrozenDict(opdef.resolve_attrs(attrs_)), kernel=self.kernel(opdef).key))
 
     def kernel(self, opdef: Any) -> Any:
         """The kernel the target backend runs for ``opdef`` (an error naming both if it has none)."""
         return self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+
+
+def _stack(op: Op) -> tuple[str, int]:
+    """The stack (parameter prefix) a ``call`` or ``call_backward`` runs, and its first layer."""
+    return str(op.attrs.get("params", "blocks")), int(op.attrs.get("first", 0))
 
 
 def _kernel_dtype(dtype: str) -> Any:
@@ -852,8 +897,8 @@ class _Replay:
     reads one of their outputs (after what they read themselves). Outputs are ``<key>:recompute``."""
 
     def __init__(self, s: _Scheduler, plan: BlockPlan, call: _Call, layer: int) -> None:
-        self.s, self.plan, self.call, self.layer = s, plan, call, layer
-        self.lenv = call.layers[layer]
+        self.s, self.plan, self.call, self.layer = s, plan, call, layer  # layer: the stack's index
+        self.lenv = call.layers[layer - call.first]
         self.recomputed = set(plan.recomputed)
         self.unit = {o: u for u, rop in reversed(list(enumerate(plan.ops))) for op in rop.replay
                      for o in op.outputs if o}
@@ -930,14 +975,16 @@ Layout = list[tuple[str, str, str, tuple[int, ...], int, int]]
 
 
 def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bool]],
-                      optimizer: Optimizer | None, float_dtype: str) -> tuple[Layout, int]:
+                      optimizer: Optimizer | None, float_dtype: str,
+                      owned: frozenset[str] | None = None) -> tuple[Layout, int]:
     """The head of every arena of a model: (slot, kind, parameter, shape, offset, bytes) for each
-    weight, then each trained parameter's gradient, then its optimizer state; and the total bytes."""
+    weight, then each trained parameter's gradient, then its optimizer state (only for the parameters
+    in ``owned``, a data-parallel rank's share, when given); and the total bytes."""
     entries = [(k, "weight", k, shape) for k, _, shape, _ in params]
     entries += [(f"grad.{k}", "gradient", k, shape) for k, _, shape, t in params if t]
     if optimizer is not None:
         entries += [(f"{optimizer.name}.{m}.{k}", "optimizer_state", k, shape) for k, _, shape, t in params
-                    if t for m in optimizer.state]
+                    if t and (owned is None or k in owned) for m in optimizer.state]
     out: Layout = []
     offset = 0
     for name, kind, param, shape in entries:
@@ -1045,7 +1092,7 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
     # then the inputs and the output
     slots: list[Slot] = []
     n = len(steps)
-    layout, persistent = persistent_layout(s.params, s.optimizer, s.target.dtype)
+    layout, persistent = persistent_layout(s.params, s.optimizer, s.target.dtype, s.sync.owned)
     for name, kind, param, _, offset, size in layout:
         k = param if kind == "weight" else s.grads[param] if kind == "gradient" else name
         slots.append(Slot(name, kind, size, offset, 0, n - 1, tuple(members[k])))

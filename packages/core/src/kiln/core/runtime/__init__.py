@@ -1,8 +1,12 @@
-"""The runtime layer: the Backend / Buffer / Executable protocols, the kernel table and
-:class:`Model`, which trains through any registered backend."""
+"""The runtime layer: the Backend / Buffer / Executable protocols, the kernel table, the Communicator
+protocol with the data-parallel plan it runs, and :class:`Model`, which trains through any
+registered backend."""
 
+from kiln.core.plan._program import SyncPlan
 from kiln.core.runtime._backend import Backend, Buffer, Executable
+from kiln.core.runtime._communicator import Communicator, DataParallel
 from kiln.core.runtime._kernels import ANY_DTYPE, Kernel, KernelTable
-from kiln.core.runtime._model import Model, init_value
+from kiln.core.runtime._model import Model, init_value, segment_ids
 
-__all__ = ["ANY_DTYPE", "Backend", "Buffer", "Executable", "Kernel", "KernelTable", "Model", "init_value"]
+__all__ = ["ANY_DTYPE", "Backend", "Buffer", "Communicator", "DataParallel", "Executable", "Kernel",
+           "KernelTable", "Model", "SyncPlan", "init_value", "segment_ids"]

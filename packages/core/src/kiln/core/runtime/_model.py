@@ -21,6 +21,7 @@ from kiln.core.plan._passes import run_passes
 from kiln.core.plan._program import (
     PHASES,
     Program,
+    SyncPlan,
     Target,
     _as_bundle,
     _choice,
@@ -29,10 +30,36 @@ from kiln.core.plan._program import (
     model_params,
     persistent_layout,
 )
+from kiln.core.runtime._communicator import DataParallel
 
 #: the label of a position the loss ignores, unless the model's loss op says otherwise
 IGNORE_INDEX = -100
 INITS = ("normal", "uniform", "ones", "zeros")
+
+
+def segment_ids(attention_mask: Any, position_ids: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Each token's segment ``[B, T]`` from HF-style inputs, as attention reads it: a packed sequence's
+    documents are 1, 2, ... (a new one starts wherever ``position_ids`` do not go up by one, as
+    transformers' packed-sequence detection decides), and padding (``attention_mask == 0``) is 0."""
+    seg = np.ones(shape, np.int32)
+    if position_ids is not None:
+        pos = np.broadcast_to(np.asarray(position_ids), shape)
+        starts = np.diff(pos, axis=1) != 1
+        seg[:, 1:] += np.cumsum(starts, axis=1, dtype=np.int32)
+    if attention_mask is not None:
+        seg[np.asarray(attention_mask) == 0] = 0
+    return seg
+
+
+def _int_array(value: Any, name: str, shape: tuple[int, ...], *, rank1: bool = False) -> np.ndarray:
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_:
+        raise KilnError(f"{name} must be an integer array shaped like input_ids {list(shape)}, "
+                        f"found {arr.dtype}")
+    if arr.shape != shape and not (rank1 and arr.shape == shape[1:]):
+        raise KilnError(f"{name} must be shaped like input_ids {list(shape)}"
+                        f"{' (or [seq])' if rank1 else ''}, found {list(arr.shape)}")
+    return arr
 
 
 def init_value(init: Mapping[str, Any], shape: tuple[int, ...], rng: np.random.Generator, default_std: float,
@@ -74,13 +101,16 @@ class Model:
     or ``None`` (zeros); ``weights``: values for some or all parameters, set after ``init`` (as
     :meth:`set_parameters`).
     ``passes``: graph passes every Program runs first (see ``compile``).
+    ``data_parallel``: train as one rank of a data-parallel run (kiln-dist's ``DataParallel``): every
+    rank passes the same global batch to :meth:`train_step` and runs its own shard of it.
     """
 
     def __init__(self, module_ir: Bundle | Module, *, seed: int = 0, dtype: str = "float32",
                  optimizer: Any = None, mode: str = "full", backend: Any = "numpy",
                  modules: Mapping[str, Module] | None = None, recompute: str = "none",
                  recompute_budget: float | None = None, init: str | None = "random",
-                 weights: Mapping[str, Any] | None = None, passes: Sequence[Any] = ()) -> None:
+                 weights: Mapping[str, Any] | None = None, passes: Sequence[Any] = (),
+                 data_parallel: DataParallel | None = None) -> None:
         from kiln.core.plan.recompute import MODES
 
         _choice("recompute", recompute, MODES)
@@ -101,7 +131,11 @@ class Model:
                                             get_registry("graph_passes"))[0], None
         self._model, mods = _resolve(module_ir, modules)
         self._params = model_params(self._model, mods, dim_bindings(self._model.config), mode)
-        self._layout, self._persistent = persistent_layout(self._params, self.optimizer, dtype)
+        self.data_parallel = data_parallel
+        self._sync: SyncPlan | None = None if data_parallel is None else data_parallel.plan(
+            [(key, shape) for key, _, shape, t in self._params if t])
+        owned = None if self._sync is None else self._sync.owned
+        self._layout, self._persistent = persistent_layout(self._params, self.optimizer, dtype, owned)
         self._where = {name: (offset, shape) for name, _, _, shape, offset, _ in self._layout}
         self._programs: dict[tuple[str, int, int], Program] = {}
         self._bound: dict[tuple[str, int, int], Any] = {}
@@ -190,16 +224,18 @@ class Model:
     def state_dict(self) -> dict[str, Any]:
         """Copies of the parameters and of the optimizer state: ``{"parameters": {name: array},
         "optimizer": {"name": ..., "step": n, <state>: {name: array}}}`` with the optimizer's state
-        names (AdamW: ``exp_avg``, ``exp_avg_sq`` as in torch)."""
+        names (AdamW: ``exp_avg``, ``exp_avg_sq`` as in torch). A ZeRO-1 rank holds the state of its
+        share of the parameters only."""
         opt = self.optimizer
-        trained = [key for key, _, _, t in self._params if t]
         state: dict[str, Any] = {"name": opt.name, "step": self.step}
         for s in opt.state:
-            state[s] = {k: self._read(f"{opt.name}.{s}.{k}") for k in trained}
+            state[s] = {k: self._read(f"{opt.name}.{s}.{k}") for k, *_ in self._params
+                        if f"{opt.name}.{s}.{k}" in self._where}
         return {"parameters": self.parameters(), "optimizer": state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (parameters, optimizer step and state)."""
+        """Load what :meth:`state_dict` returned (parameters, optimizer step and state; a ZeRO-1 rank
+        takes its share of the state)."""
         self.set_parameters(state["parameters"])
         opt = dict(state.get("optimizer", {}))
         if opt.get("name", self.optimizer.name) != self.optimizer.name:
@@ -210,12 +246,14 @@ class Model:
         if unknown:
             raise KilnError(f"optimizer state {', '.join(unknown)} is not state of {self.optimizer.name!r} "
                             f"(it keeps {', '.join(self.optimizer.state) or 'none'})")
+        trained = {key for key, *_, t in self._params if t}
         for s in self.optimizer.state:
             for k, v in opt.get(s, {}).items():
                 name = f"{self.optimizer.name}.{s}.{k}"
-                if name not in self._where:
+                if k not in trained:
                     raise KilnError(f"optimizer state {s!r} names {k!r}, which is not a trained parameter")
-                self._write(name, v)
+                if name in self._where:
+                    self._write(name, v)
 
     # -- programs
 
@@ -229,7 +267,7 @@ class Model:
             prog = compile(self.ir, bindings={"B": key[1], "T": key[2]}, backend=self.backend, mode=self.mode,
                            modules=self.modules, task=task, optimizer=self.optimizer, dtype=self.dtype,
                            recompute=self.recompute, recompute_budget=self.recompute_budget,
-                           kernels=self.target.kernels, passes=self.passes)
+                           kernels=self.target.kernels, passes=self.passes, sync=self._sync)
             assert prog.persistent_bytes == self._persistent
             self._programs[key] = prog
         prog = self._programs[key]
@@ -244,19 +282,35 @@ class Model:
             self._last = key
         return prog, self._bound[key]
 
-    def _feed(self, task: str, input_ids: Any, labels: Any = None,
-              tokens: int | None = None) -> tuple[Any, int]:
+    def _feed(self, task: str, input_ids: Any, labels: Any = None, tokens: int | None = None, *,
+              attention_mask: Any = None, position_ids: Any = None) -> tuple[Any, int]:
         """Write a batch into the Program of its shape; ``tokens``: the positions the loss is a mean
-        over (default: this batch's; a micro-batch's share of a larger batch otherwise)."""
+        over (default: this batch's; a micro-batch's share of a larger batch otherwise).
+        ``attention_mask`` and ``position_ids`` are HF's (:func:`segment_ids`); positions default to
+        ``0 .. seq - 1`` in every sequence, as in transformers."""
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise KilnError("input_ids must be an integer array [batch, seq], "
                             f"found {ids.dtype} {list(ids.shape)}")
-        prog, ex = self._bind(task, *ids.shape)
+        shape: tuple[int, ...] = ids.shape
+        mask = None if attention_mask is None else _int_array(attention_mask, "attention_mask", shape)
+        pos = None if position_ids is None else _int_array(position_ids, "position_ids", shape, rank1=True)
+        segments = segment_ids(mask, pos, shape)
+        prog, ex = self._bind(task, *shape)
         ex.write("token_ids", ids)
-        if "position_ids" in prog.tensors:  # every time: another shape's Program may use those bytes
-            positions = prog.tensors["position_ids"].shape
-            ex.write("position_ids", np.broadcast_to(np.arange(ids.shape[1]), positions))
+        # every time, also the defaults: another shape's Program may use those bytes
+        positions = np.broadcast_to(np.arange(shape[1]) if pos is None else pos, shape)
+        if "position_ids" in prog.tensors:
+            slot = prog.tensors["position_ids"].shape
+            if len(slot) == 1 and (positions != positions[:1]).any():
+                raise KilnError("this model's position_ids input is [seq], shared by the batch: it cannot "
+                                "take different positions per sequence")
+            ex.write("position_ids", positions[0] if len(slot) == 1 else positions)
+        if "segment_ids" in prog.tensors:
+            ex.write("segment_ids", segments)
+        elif (segments != 1).any():
+            raise KilnError("this model has no segment_ids input: it cannot mask padding (attention_mask) or "
+                            "keep packed documents apart (position_ids restarting)")
         count = 0
         if labels is not None:
             lab = np.asarray(labels)
@@ -277,26 +331,31 @@ class Model:
 
     # -- running
 
-    def logits(self, input_ids: Any) -> np.ndarray:
+    def logits(self, input_ids: Any, *, attention_mask: Any = None, position_ids: Any = None) -> np.ndarray:
         """Logits ``[batch, seq, vocab]`` (the LM-head loss replaced by a matmul with its weight), in
         eval mode: dropout is off."""
-        ex, _ = self._feed("logits", input_ids)
+        ex, _ = self._feed("logits", input_ids, attention_mask=attention_mask, position_ids=position_ids)
         ex.run(("forward",), hyper={})
         out: np.ndarray = ex.read("logits").reshape(*np.shape(input_ids), -1)
         return out
 
-    def loss(self, input_ids: Any, labels: Any, *, training: bool = False) -> float:
+    def loss(self, input_ids: Any, labels: Any, *, training: bool = False, attention_mask: Any = None,
+             position_ids: Any = None) -> float:
         """The mean loss over the positions not ignored (forward only). In eval mode, as HF's
         ``model.eval()``: dropout is off. ``training=True`` gives the loss that :meth:`loss_and_grads`
         differentiates, dropout on, with the same masks."""
-        ex, count = self._feed("train" if training else "eval", input_ids, labels)
+        ex, count = self._feed("train" if training else "eval", input_ids, labels,
+                               attention_mask=attention_mask, position_ids=position_ids)
         ex.run(("forward",), hyper={"step": self.step + 1})
         return self._loss(ex, count)
 
-    def loss_and_grads(self, input_ids: Any, labels: Any) -> tuple[float, dict[str, np.ndarray]]:
-        """The loss and a copy of the gradient of every trained parameter."""
-        ex, count = self._feed("train", input_ids, labels)
-        ex.run(("forward", "backward", "grad_sync"), hyper={"step": self.step + 1})
+    def loss_and_grads(self, input_ids: Any, labels: Any, *, attention_mask: Any = None,
+                       position_ids: Any = None) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss and a copy of the gradient of every trained parameter (of this process's batch:
+        no gradient synchronisation)."""
+        ex, count = self._feed("train", input_ids, labels, attention_mask=attention_mask,
+                               position_ids=position_ids)
+        ex.run(("forward", "backward"), hyper={"step": self.step + 1})
         prog = ex.program
         return self._loss(ex, count), {p.name: ex.read(p.grad) for p in prog.params if p.grad}
 
@@ -306,33 +365,51 @@ class Model:
         ``micro_batches`` > 1 accumulates gradients: the batch is cut into that many equal parts along
         its first dimension, each runs forward and backward on the Program of its size (memory as for
         one part), and the update applies the gradient of the whole batch's mean loss (as HF's
-        ``gradient_accumulation_steps``, up to the order of the float sums). Returns loss, grad_norm
-        (before clipping), lr, step and tokens (positions not ignored)."""
-        if micro_batches == 1:
-            ex, count = self._feed("train", batch["input_ids"], batch["labels"])
+        ``gradient_accumulation_steps``, up to the order of the float sums). ``batch`` holds
+        ``input_ids`` and ``labels``, and may hold HF's ``attention_mask`` and ``position_ids``. Returns
+        loss, grad_norm (before clipping), lr, step and tokens (positions not ignored).
+
+        Under ``data_parallel`` every rank passes the same global batch: rank ``r`` of ``N`` runs part
+        ``r`` of ``N`` equal parts along the first dimension, its loss divided by the global batch's
+        token count, so the gradients summed in ``grad_sync`` are those of the global batch's mean
+        loss; the loss returned is the global batch's."""
+        extra = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+        comm = None if self.data_parallel is None else self.data_parallel.communicator
+        world, rank = (1, 0) if comm is None else (comm.world_size, comm.rank)
+        if micro_batches == 1 and world == 1:
+            ex, count = self._feed("train", batch["input_ids"], batch["labels"], **extra)
             self.step += 1
             stats = ex.run(PHASES, hyper={"step": self.step, "optimizer": self.optimizer})
             return {"loss": self._loss(ex, count), "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                     "step": float(self.step), "tokens": float(count)}
         ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
         if not isinstance(micro_batches, int) or micro_batches < 1 or ids.ndim != 2 \
-                or ids.shape[0] % micro_batches:
-            raise KilnError(f"micro_batches={micro_batches!r} must be a positive int dividing the batch "
-                            f"of {ids.shape[0] if ids.ndim else 0} sequences")
+                or ids.shape[0] % (micro_batches * world):
+            ranks = f" times the {world} data-parallel ranks" if world > 1 else ""
+            raise KilnError(f"micro_batches={micro_batches!r}{ranks} must be a positive int dividing the "
+                            f"batch of {ids.shape[0] if ids.ndim else 0} sequences")
         tokens = int(np.count_nonzero(labels != self.ignore_index))
         self.step += 1
         hyper = {"step": self.step, "optimizer": self.optimizer}
         loss, total = 0.0, None
-        for part_ids, part_labels in zip(np.split(ids, micro_batches), np.split(labels, micro_batches),
-                                         strict=True):
-            ex, _ = self._feed("train", part_ids, part_labels, tokens=tokens)
+        shards = {k: np.split(np.broadcast_to(np.asarray(v), ids.shape), world)[rank]  # this rank's rows
+                  for k, v in {"input_ids": ids, "labels": labels, **extra}.items()}
+        parts = {k: np.split(v, micro_batches) for k, v in shards.items()}
+        for i in range(micro_batches):
+            ex, _ = self._feed("train", parts["input_ids"][i], parts["labels"][i], tokens=tokens,
+                               **{k: parts[k][i] for k in extra})
             ex.run(("forward", "backward"), hyper=hyper)
             loss += float(np.sum(ex.read("loss")))
-            grads = {p.grad: ex.read(p.grad) for p in ex.program.params if p.grad}
-            total = grads if total is None else {k: total[k] + g for k, g in grads.items()}
+            if micro_batches > 1:
+                grads = {p.grad: ex.read(p.grad) for p in ex.program.params if p.grad}
+                total = grads if total is None else {k: total[k] + g for k, g in grads.items()}
         for key, g in (total or {}).items():
             ex.write(key, g)
         stats = ex.run(("grad_sync", "optimizer"), hyper=hyper)
+        if comm is not None:  # the global batch's loss: every rank's sum
+            summed = np.array([loss])
+            comm.all_reduce(summed)
+            loss = float(summed[0])
         return {"loss": loss / tokens if tokens else 0.0, "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                 "step": float(self.step), "tokens": float(tokens)}
 

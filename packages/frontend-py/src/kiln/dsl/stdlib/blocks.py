@@ -1,6 +1,8 @@
 """Transformer blocks: dense (Llama, Qwen3), mixture-of-experts (Qwen3-MoE) and Hyper-Connection (mHC).
 
-Dense and MoE blocks follow seed 003 §6.1: the block takes ``(x, residual, position_ids)`` and returns
+Dense and MoE blocks follow seed 003 §6.1: the block takes ``(x, residual, position_ids, segment_ids)``
+(positions and segments ``[B, T]``: packed documents restart their positions and attend within their own
+segment; padding is segment 0) and returns
 ``(mlp_down, res_att)``; each block starts with ``res_ffn = residual + x`` fused into its first RMSNorm,
 so the model passes ``residual0 = 0`` to the first layer and adds the last block's pair once more in its
 final fused norm. RoPE is HF's ``rotate_half`` computed from ``rope_theta`` (no table parameter).
@@ -36,7 +38,7 @@ def _init_attention(blk: Any, d_model: int, num_query_heads: int, num_kv_heads: 
     blk.AttnDim = blk.Hq * blk.D
 
 
-def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any) -> Any:
+def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any, segment_ids: Any) -> Any:
     """Causal GQA self-attention of the normed input ``ln1`` [B, T, C]: returns ``att_out`` [B, T, C]."""
     ln1_flat = g.view(ln1, shape=[B * T, blk.C], out_name="ln1_flat")
     if blk.use_qkv_bias:
@@ -50,7 +52,7 @@ def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any) -> Any:
         eps=blk.eps, theta=blk.rope_theta, qkv_out_name="qkv_rope", q_rstd_name="q_rstd",
         k_rstd_name="k_rstd",
     )
-    att, _ = g.flash_attention(qkv_rope, causal=True, out_name="att", lse_name="lse")
+    att, _ = g.flash_attention(qkv_rope, segment_ids, causal=True, out_name="att", lse_name="lse")
     att_flat = g.view(att, shape=[B * T, blk.AttnDim], out_name="att_flat")
     if blk.use_out_bias:
         att_out_flat = g.matmul_bias(att_flat, "out_weight", "out_bias", out_name="att_out_flat", **_MATMUL)
@@ -156,7 +158,7 @@ class _PreNormAttention:
         recompute=True,
         recompute_group="attn_fwd",
         recompute_outputs=["att", "lse"],
-        recompute_from=["qkv_rope"],
+        recompute_from=["qkv_rope", "?@input:segment_ids"],
         recompute_op="flash_attention",
         recompute_policy="lora_only",  # cuDNN is not bit-exact in full finetune
         description="Attention output (softmax @ V)",
@@ -200,12 +202,13 @@ class _PreNormAttention:
     d_res_att = Gradient(Tensor["B", "T", "C", F], gradient_of="res_att")
     d_res_ffn = Gradient(Tensor["B", "T", "C", F], gradient_of="res_ffn")
 
-    def _attention_half(self, g: Any, x: Any, residual: Any, position_ids: Any) -> tuple[Any, Any]:
+    def _attention_half(self, g: Any, x: Any, residual: Any, position_ids: Any,
+                        segment_ids: Any) -> tuple[Any, Any]:
         """LN1 (fused with ``residual + x``), attention, LN2 (fused with the attention residual):
         returns ``(res_att, ln2)``."""
         res_ffn, ln1, _ = g.fused_residual_rmsnorm(residual, x, "ln1_weight", eps=self.eps,
                                                    res_out_name="res_ffn", y_name="ln1", rstd_name="ln1_rstd")
-        att_out = _attention(g, self, ln1, position_ids)
+        att_out = _attention(g, self, ln1, position_ids, segment_ids)
         res_att, ln2, _ = g.fused_residual_rmsnorm(res_ffn, att_out, "ln2_weight", eps=self.eps,
                                                    res_out_name="res_att", y_name="ln2", rstd_name="ln2_rstd")
         return res_att, ln2
@@ -274,11 +277,12 @@ class DenseTransformerBlock(_PreNormAttention):
         self,
         x: Tensor["B", "T", "C", F],
         residual: Tensor["B", "T", "C", F],
-        position_ids: Tensor["T", "int32"],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
     ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F]]:
         """Returns (mlp_down, res_att): the next layer's x and residual."""
         with graph() as g:
-            res_att, ln2 = self._attention_half(g, x, residual, position_ids)
+            res_att, ln2 = self._attention_half(g, x, residual, position_ids, segment_ids)
             ln2_flat = g.view(ln2, shape=[B * T, self.C], out_name="ln2_flat")
             mlp_up_flat = g.matmul(ln2_flat, "mlp_up_weight", out_name="mlp_up_flat", **_MATMUL)
             mlp_up = g.view(mlp_up_flat, shape=[B, T, self.MUp], out_name="mlp_up")
@@ -426,11 +430,12 @@ class MoETransformerBlock(_PreNormAttention):
         self,
         x: Tensor["B", "T", "C", F],
         residual: Tensor["B", "T", "C", F],
-        position_ids: Tensor["T", "int32"],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
     ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F]]:
         """Returns (mlp_down, res_att): the next layer's x and residual."""
         with graph() as g:
-            res_att, ln2 = self._attention_half(g, x, residual, position_ids)
+            res_att, ln2 = self._attention_half(g, x, residual, position_ids, segment_ids)
             ln2_flat = g.view(ln2, shape=[B * T, self.C], out_name="ln2_flat")
             router_logits = g.matmul(ln2_flat, "router_weight", out_name="router_logits", **_MATMUL)
             router_probs = g.moe_softmax(router_logits, out_name="router_probs")
@@ -609,9 +614,9 @@ class HyperConnectionBlock:
         return g.view(g.add(mixed, spread, out_name=f"{s}_sum"), shape=[B, T, n * c],
                       out_name="h_mid" if s == "attn" else "h_out")
 
-    def _attention(self, g: Any, x: Any, position_ids: Any) -> Any:
+    def _attention(self, g: Any, x: Any, position_ids: Any, segment_ids: Any) -> Any:
         ln1, _ = g.rmsnorm(x, "ln1_weight", eps=self.eps, y_name="ln1", rstd_name="ln1_rstd")
-        return _attention(g, self, ln1, position_ids)
+        return _attention(g, self, ln1, position_ids, segment_ids)
 
     def _mlp(self, g: Any, x: Any) -> Any:
         ln2, _ = g.rmsnorm(x, "ln2_weight", eps=self.eps, y_name="ln2", rstd_name="ln2_rstd")
@@ -622,8 +627,8 @@ class HyperConnectionBlock:
         return g.view(mlp_down_flat, shape=[B, T, self.C], out_name="mlp_down")
 
     @forward
-    def forward(self, h: Tensor["B", "T", "SC", F], position_ids: Tensor["T", "int32"]
-                ) -> Tensor["B", "T", "SC", F]:
+    def forward(self, h: Tensor["B", "T", "SC", F], position_ids: Tensor["B", "T", "int32"],
+                segment_ids: Tensor["B", "T", "int32"]) -> Tensor["B", "T", "SC", F]:
         with graph() as g:
-            h_mid = self._sublayer(g, "attn", h, lambda x: self._attention(g, x, position_ids))
+            h_mid = self._sublayer(g, "attn", h, lambda x: self._attention(g, x, position_ids, segment_ids))
             return self._sublayer(g, "mlp", h_mid, lambda x: self._mlp(g, x))

@@ -3,13 +3,17 @@ HyperConnectionModel.
 
 Numerics follow HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``: the model's
 output ``loss`` is the per-token cross entropy [B * T] (0 where the target is -100) of already
-shifted targets. Fused weights are HF tensors concatenated along dim 0: ``qkv_weight = [q | k | v]``,
+shifted targets. ``position_ids`` and ``segment_ids`` are ``[B, T]``: a packed sequence restarts its
+positions per document and numbers its documents 1, 2, ...; padding is segment 0 (HF's
+``attention_mask == 0``), so real tokens never attend to it. Fused weights are HF tensors
+concatenated along dim 0: ``qkv_weight = [q | k | v]``,
 ``mlp_up_weight = [gate | up]`` (the order kiln's ``swiglu`` reads).
 """
 
 # Tensor[...] annotations hold dimension names, which ruff would read as forward references.
 # ruff: noqa: F821
 
+import itertools
 from typing import Any, ClassVar
 
 from kiln.dsl import (
@@ -83,7 +87,9 @@ class _CausalLM:
 
     # IO slots
     token_ids = Activation(Tensor["B", "T"], dtype="int32", scope="global")
-    position_ids = Activation(Tensor["T"], dtype="int32", scope="global")
+    position_ids = Activation(Tensor["B", "T"], dtype="int32", scope="global")
+    segment_ids = Activation(Tensor["B", "T"], dtype="int32", scope="global",
+                             description="document of each token (packing); 0 marks padding")
     targets = Activation(Tensor["B", "T"], dtype="int32", scope="global", aliases=["labels"])
 
     # Global activation slots
@@ -130,13 +136,14 @@ class _CausalLM:
     def forward(
         self,
         token_ids: Tensor["B", "T", "int32"],
-        position_ids: Tensor["T", "int32"],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
             x0 = g.embedding(token_ids, "embedding", padding_idx=self.pad_token_id, out_name="x0")
             residual0 = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
-            xN, residualN = g.call("StackedBlocks", x0, residual0, position_ids, num_outputs=2,
+            xN, residualN = g.call("StackedBlocks", x0, residual0, position_ids, segment_ids, num_outputs=2,
                                    blocks="blocks", n_layers=self.n_layers, out_names=["xN", "residualN"])
             return self._head(g, xN, residualN, targets)
 
@@ -231,24 +238,20 @@ def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int,
            num_experts_per_tok="num_experts_per_tok", moe_d_ff="moe_intermediate_size",
            norm_topk_prob="norm_topk_prob", decoder_sparse_step="decoder_sparse_step",
            mlp_only_layers="mlp_only_layers")
-@hf_mapping.indexed("dense_blocks", **ATTENTION_MAPPINGS, **MLP_MAPPINGS)
-@hf_mapping.indexed("blocks", layer_offset="n_dense_layers", **ATTENTION_MAPPINGS, **MOE_MAPPINGS)
+@hf_mapping.indexed("dense_blocks", layers="dense_layers", **ATTENTION_MAPPINGS, **MLP_MAPPINGS)
+@hf_mapping.indexed("blocks", layers="moe_layers", **ATTENTION_MAPPINGS, **MOE_MAPPINGS)
 class Qwen3MoEModel(_CausalLM):
     """Qwen3-MoE: Qwen3 attention; MoE MLPs, except in the dense layers HF's config selects.
 
-    A ``call`` repeats one block body, so dense and MoE layers are two stacks of two blocks:
-    ``dense_blocks`` (DenseTransformerBlock, HF layers 0 .. n_dense_layers - 1) runs first, then
-    ``blocks`` (MoETransformerBlock; its mapping's ``layer_offset`` makes ``blocks.{i}`` HF layer
-    ``n_dense_layers + i``). The dense layers must therefore come first (``mlp_only_layers =
-    [0, ..., k - 1]``; released Qwen3-MoE checkpoints have none); interleaved layouts
-    (``decoder_sparse_step > 1``) are rejected with E027.
+    A ``call`` repeats one block body, so dense and MoE layers are two stacks: ``dense_blocks``
+    (DenseTransformerBlock) and ``blocks`` (MoETransformerBlock), in any order: the forward calls
+    each stack for every run of consecutive layers of its kind (``first=``), and the mappings'
+    ``layers`` give ``dense_blocks.{i}`` and ``blocks.{i}`` their HF layer numbers. Each block body is
+    derived once, however the kinds interleave (``decoder_sparse_step``, ``mlp_only_layers``).
     """
 
     dense_blocks = Param(Array["n_dense_layers", DenseTransformerBlock], when="n_dense_layers > 0")
     blocks = Param(Array["n_moe_layers", MoETransformerBlock], when="n_moe_layers > 0")
-    _constraints_ = (*_CausalLM._constraints_,
-                     ("dense_layers_first", "dense layers (mlp_only_layers, decoder_sparse_step) must all "
-                      "come before the MoE layers: kiln runs one dense stack, then one MoE stack"))
 
     def __init__(
         self,
@@ -277,29 +280,32 @@ class Qwen3MoEModel(_CausalLM):
         rope_parameters: dict[str, Any] | None = None,
     ):
         self._configure(locals())
-        sparse = sparse_layers(n_layers, num_experts, decoder_sparse_step, list(mlp_only_layers or ()))
-        self.n_moe_layers = sum(sparse)
-        self.n_dense_layers = n_layers - self.n_moe_layers
-        self.dense_layers_first = sparse == sorted(sparse)
+        self.sparse = sparse_layers(n_layers, num_experts, decoder_sparse_step, list(mlp_only_layers or ()))
+        self.moe_layers = [i for i, moe in enumerate(self.sparse) if moe]
+        self.dense_layers = [i for i, moe in enumerate(self.sparse) if not moe]
+        self.n_moe_layers, self.n_dense_layers = len(self.moe_layers), len(self.dense_layers)
 
     @forward
     def forward(
         self,
         token_ids: Tensor["B", "T", "int32"],
-        position_ids: Tensor["T", "int32"],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
             x = g.embedding(token_ids, "embedding", padding_idx=self.pad_token_id, out_name="x0")
             residual = g.zeros(shape=[B, T, "d_model"], dtype=F, out_name="residual0")
-            if self.n_dense_layers:
-                x, residual = g.call("StackedBlocks", x, residual, position_ids, num_outputs=2,
-                                     blocks="dense_blocks", n_layers=self.n_dense_layers,
-                                     out_names=["x_dense", "residual_dense"])
-            if self.n_moe_layers:
-                x, residual = g.call("StackedBlocks", x, residual, position_ids, num_outputs=2,
-                                     blocks="blocks", n_layers=self.n_moe_layers,
-                                     out_names=["xN", "residualN"])
+            done = {True: 0, False: 0}  # layers of each kind run so far
+            for moe, run in itertools.groupby(self.sparse):
+                n = len(list(run))
+                stack, last = ("blocks", "N") if moe else ("dense_blocks", "_dense")
+                if done[moe]:
+                    last = f"_{stack}_{done[moe]}"
+                x, residual = g.call("StackedBlocks", x, residual, position_ids, segment_ids, num_outputs=2,
+                                     blocks=stack, n_layers=n, first=done[moe],
+                                     out_names=[f"x{last}", f"residual{last}"])
+                done[moe] += n
             return self._head(g, x, residual, targets)
 
 
@@ -338,7 +344,8 @@ class HyperConnectionModel(_CausalLM):
     def forward(
         self,
         token_ids: Tensor["B", "T", "int32"],
-        position_ids: Tensor["T", "int32"],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
         targets: Tensor["B", "T", "int32"],
     ) -> Tensor["B * T", "fp32"]:
         with graph() as g:
@@ -346,7 +353,7 @@ class HyperConnectionModel(_CausalLM):
             x0_4 = g.view(x0, shape=[B, T, 1, "d_model"], out_name="x0_4")
             h0_4 = g.custom("broadcast_to", x0_4, shape=[B, T, "n_streams", "d_model"], out_name="h0_4")
             h0 = g.view(h0_4, shape=[B, T, "n_streams * d_model"], out_name="h0")
-            hN = g.call("StackedBlocks", h0, position_ids, num_outputs=1, blocks="blocks",
+            hN = g.call("StackedBlocks", h0, position_ids, segment_ids, num_outputs=1, blocks="blocks",
                         n_layers=self.n_layers, out_names=["hN"])
             hN_4 = g.view(hN, shape=[B, T, "n_streams", "d_model"], out_name="hN_4")
             xN = g.custom("reduce_sum", hN_4, axes=[2], out_name="xN")

@@ -20,6 +20,10 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
   including the query's own) and, when not causal, also ``j < p + w`` (flash-attn's
   ``window_size=(w - 1, w - 1)``). A fully masked query row gives ``out = 0`` and ``lse = +inf`` (as
   flash-attn), so the backward's ``exp(s - lse)`` is 0 there.
+* ``segment_ids: [B, Tk]`` (optional, int) restricts attention to keys of the query's own segment:
+  query ``i`` sees key ``j`` only when ``segment_ids[b, p] == segment_ids[b, j]``. Packed documents
+  are segments 1, 2, ...; padding is its own segment (0), so real tokens never see it (HF's
+  ``attention_mask``) and a padding query still sees itself (its row stays finite).
 """
 
 from __future__ import annotations
@@ -389,6 +393,28 @@ def _keep(tq: int, tk: int, causal: bool, window: int | None, op: str) -> np.nda
     return keep
 
 
+def _segment_keep(keep: np.ndarray, segments: np.ndarray | None, tq: int) -> np.ndarray:
+    """``keep`` ([Tq, Tk]) restricted to each sequence's segments: ``[B, Tq, Tk]``, or ``keep`` itself
+    when there are no segments or every sequence is one segment."""
+    if segments is None or not segments.size or (segments == segments[:, :1]).all():
+        return keep
+    seg_q = segments[:, segments.shape[1] - tq:]
+    masked: np.ndarray = keep & (seg_q[:, :, None] == segments[:, None, :])
+    return masked
+
+
+def _tile(keep: np.ndarray, t0: int, t1: int, k0: int, k1: int) -> np.ndarray:
+    """The mask of query rows [t0, t1) and keys [k0, k1), shaped to broadcast over ``[B, Hkv, rep, n, k]``."""
+    tile = keep[..., t0:t1, k0:k1]
+    return tile if tile.ndim == 2 else tile[:, None, None]
+
+
+def _check_segments(segments: np.ndarray | None, b: int, tk: int, op: str) -> None:
+    if segments is not None and segments.shape != (b, tk):
+        raise OpError(f"op {op!r}: segment_ids must be [B, Tk] = [{b}, {tk}], found {list(segments.shape)}",
+                      op=op)
+
+
 def _group(hq: int, hkv: int, op: str) -> int:
     if hkv <= 0 or hq % hkv:
         raise OpError(f"op {op!r}: Hq = {hq} must be a multiple of Hkv = {hkv}", op=op)
@@ -424,12 +450,13 @@ def _pieces(b: int, tq: int, tk: int, hq: int, hkv: int, d: int) -> list[tuple[s
 
 def _blocks(keep: np.ndarray, rep: int, d: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
     """``(t0, t1, [(k0, k1), ...])``: query rows ``[t0, t1)`` and the key blocks any of them sees."""
-    tq, tk = keep.shape
+    tq, tk = keep.shape[-2:]
     rows = max(1, QUERY_ROWS // rep)
     width = max(8, BLOCK_MACS // (rows * rep * d))
     for t0 in range(0, tq, rows):
         t1 = min(t0 + rows, tq)
-        seen = np.any(keep[t0:t1], axis=0)
+        block = keep[..., t0:t1, :]
+        seen = np.any(block.reshape(-1, tk), axis=0)
         yield t0, t1, [(k0, min(k0 + width, tk)) for k0 in range(0, tk, width) if seen[k0:k0 + width].any()]
 
 
@@ -455,31 +482,34 @@ def _scores(qt: np.ndarray, kh: np.ndarray, keep: np.ndarray, rep: int) -> np.nd
     s: np.ndarray = np.matmul(qt, kh.swapaxes(-1, -2))
     if not keep.all():
         b, hkv, m, k = s.shape
-        np.copyto(s.reshape(b, hkv, rep, m // rep, k), -np.inf, where=~keep)
+        np.copyto(s.reshape(b, hkv, rep, m // rep, k), -np.inf, where=~keep)  # keep: see _tile
     return s
 
 
 def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool,
-                  softmax_scale: float | None, window_size: int | None, op: str) -> None:
+                  softmax_scale: float | None, window_size: int | None, op: str,
+                  segments: np.ndarray | None = None) -> None:
     """Attention of ``q: [B, Tq, Hq, D]`` over ``k, v: [B, Tk, Hkv, D]`` (any strides) into ``out``
     (``q``'s shape) and ``lse: [B, Hq, Tq]``, with an online softmax over key blocks."""
     rep = _group(q.shape[2], k.shape[2], op)
+    _check_segments(segments, k.shape[0], k.shape[1], op)
 
     def piece(p: tuple[slice, slice]) -> None:
         bs, hs = p
         qs = slice(hs.start * rep, hs.stop * rep)
         _attn_forward_piece(q[bs, :, qs], k[bs, :, hs], v[bs, :, hs], out[bs, :, qs], lse[bs, qs], causal,
-                            softmax_scale, window_size, op)
+                            softmax_scale, window_size, op, None if segments is None else segments[bs])
 
     parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
 
 def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
-                        causal: bool, softmax_scale: float | None, window_size: int | None, op: str) -> None:
+                        causal: bool, softmax_scale: float | None, window_size: int | None, op: str,
+                        segments: np.ndarray | None) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)
-    keep = _keep(tq, tk, causal, window_size, op)
+    keep = _segment_keep(_keep(tq, tk, causal, window_size, op), segments, tq)
     scale = q.dtype.type(_scale(softmax_scale, d))
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, Tk, D] views
     lse4 = view(lse, (b, hkv, rep, tq))
@@ -493,7 +523,7 @@ def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.nda
         total = np.zeros_like(m)
         acc = np.zeros_like(qt)
         for k0, k1 in keys:
-            s = _scores(qt, kh[:, :, k0:k1], keep[t0:t1, k0:k1], rep)
+            s = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep)
             m_new = np.maximum(m, np.max(s, axis=-1, keepdims=True))
             shift = np.where(np.isfinite(m_new), m_new, 0)  # rows that saw no key yet: exp(s) = 0
             s -= shift
@@ -513,10 +543,12 @@ def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.nda
 
 def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray,
-                   causal: bool, softmax_scale: float | None, window_size: int | None, op: str) -> None:
+                   causal: bool, softmax_scale: float | None, window_size: int | None, op: str,
+                   segments: np.ndarray | None = None) -> None:
     """Gradients of :func:`_attn_forward` into ``dq, dk, dv`` (shaped as q, k, v), from the saved lse:
     ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)``, block by block."""
     rep = _group(q.shape[2], k.shape[2], op)
+    _check_segments(segments, k.shape[0], k.shape[1], op)
 
     def piece(p: tuple[slice, slice]) -> None:
         bs, hs = p
@@ -524,7 +556,8 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
         _attn_backward_piece(None if d_out is None else d_out[bs, :, qs], q[bs, :, qs], k[bs, :, hs],
                              v[bs, :, hs], out[bs, :, qs], lse[bs, qs],
                              None if d_lse is None else d_lse[bs, qs], dq[bs, :, qs], dk[bs, :, hs],
-                             dv[bs, :, hs], causal, softmax_scale, window_size, op)
+                             dv[bs, :, hs], causal, softmax_scale, window_size, op,
+                             None if segments is None else segments[bs])
 
     parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
@@ -532,11 +565,11 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
 def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                          out: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray,
                          dk: np.ndarray, dv: np.ndarray, causal: bool, softmax_scale: float | None,
-                         window_size: int | None, op: str) -> None:
+                         window_size: int | None, op: str, segments: np.ndarray | None) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)
-    keep = _keep(tq, tk, causal, window_size, op)
+    keep = _segment_keep(_keep(tq, tk, causal, window_size, op), segments, tq)
     scale = q.dtype.type(_scale(softmax_scale, d))
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     lse4 = np.reshape(lse, (b, hkv, rep, tq))
@@ -557,7 +590,7 @@ def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray,
             shift = shift - np.sum(dot * _rows(out, t0, t1, hkv, rep), axis=-1, keepdims=True)
         dqt = np.zeros_like(qt)
         for k0, k1 in keys:
-            p = _scores(qt, kh[:, :, k0:k1], keep[t0:t1, k0:k1], rep)
+            p = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep)
             p -= lse_t
             np.exp(p, out=p)
             if dot is not None:
@@ -588,17 +621,31 @@ def _attn_cost(b: int, tq: int, tk: int, hq_d: int, causal: bool, io: float, fac
 # --- flash_attention (packed qkv) ----------------------------------------------------------------
 
 
-def _flash_out(qkv: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int, causal: bool,
-               softmax_scale: float | None, window_size: int | None) -> None:
+def _flash_out(qkv: np.ndarray, segment_ids: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int,
+               D: int, causal: bool, softmax_scale: float | None, window_size: int | None) -> None:
     b, t = qkv.shape[:2]
     o, lse = or_scratch(out, [(b, t, Hq * D), (b, Hq, t)], qkv.dtype)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention")
-    _attn_forward(q, k, v, view(o, (b, t, Hq, D)), lse, causal, softmax_scale, window_size, "flash_attention")
+    _attn_forward(q, k, v, view(o, (b, t, Hq, D)), lse, causal, softmax_scale, window_size, "flash_attention",
+                  segment_ids)
 
 
-def _flash(qkv: np.ndarray, **attrs: Any) -> tuple[np.ndarray, ...]:
+def _flash(qkv: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
     b, t = qkv.shape[:2]
-    return allocating(_flash_out, [(b, t, attrs["Hq"] * attrs["D"]), (b, attrs["Hq"], t)], qkv, **attrs)
+    return allocating(_flash_out, [(b, t, attrs["Hq"] * attrs["D"]), (b, attrs["Hq"], t)], qkv, *inputs,
+                      **attrs)
+
+
+def _check_segment_input(ctx: InferContext, i: int, b: DimExpr, t: DimExpr) -> None:
+    if len(ctx.inputs) > i and ctx.inputs[i]:
+        check_same(ctx, ctx.shape(i), (b, t), "segment_ids must be [B, Tk]")
+        if not ctx.dtype(i).startswith("int"):
+            raise ctx.fail(f"segment_ids must be an integer tensor, found {ctx.dtype(i)}")
+
+
+def _segments(ctx: BackwardContext, i: int) -> str | None:
+    """The saved segment_ids input ``i`` of the forward op, if it has one."""
+    return ctx.saved(i) if len(ctx.inputs) > i and ctx.inputs[i] else None
 
 
 def _flash_infer(ctx: InferContext) -> list[TensorType]:
@@ -609,26 +656,29 @@ def _flash_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, x[2:], ((hq + 2 * hkv) * d,), "packed qkv last dim must be (Hq + 2 * Hkv) * D")
     _check_heads(ctx, hq, hkv)
     b, t = x[:2]
+    _check_segment_input(ctx, 1, b, t)
     return [TensorType((b, t, hq * d), ctx.dtype(0)), TensorType((b, hq, t), "fp32")]
 
 
 def _flash_backward(ctx: BackwardContext) -> list[str | None]:
+    none: list[str | None] = [None] * (len(ctx.inputs) - 1)  # segment_ids, when given, gets no gradient
     if all(d is None for d in ctx.d_outputs) or not ctx.needs_grad(0):
-        return [None]
+        return [None, *none]
     return [ctx.emit("flash_attention_backward", ctx.d_outputs[0], ctx.saved(0), ctx.saved_output(0),
-                     ctx.saved_output(1), ctx.d_outputs[1], **ctx.attrs)]
+                     ctx.saved_output(1), ctx.d_outputs[1], _segments(ctx, 1), **ctx.attrs), *none]
 
 
 def _flash_bwd_out(d_out: np.ndarray | None, qkv: np.ndarray, o: np.ndarray, lse: np.ndarray,
-                   d_lse: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int, D: int, causal: bool,
-                   softmax_scale: float | None, window_size: int | None) -> None:
+                   d_lse: np.ndarray | None = None, segment_ids: np.ndarray | None = None, *, out: Outs,
+                   Hq: int, Hkv: int, D: int, causal: bool, softmax_scale: float | None,
+                   window_size: int | None) -> None:
     op = "flash_attention_backward"
     (d_qkv,) = or_scratch(out, [qkv.shape], qkv.dtype)
     heads = (*qkv.shape[:2], Hq, D)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
     dq, dk, dv = _split_qkv(d_qkv, Hq, Hkv, D, op)
     _attn_backward(None if d_out is None else d_out.reshape(heads), q, k, v, o.reshape(heads), lse, d_lse,
-                   dq, dk, dv, causal, softmax_scale, window_size, op)
+                   dq, dk, dv, causal, softmax_scale, window_size, op, segment_ids)
 
 
 def _flash_bwd_kernel(d_out: np.ndarray | None, qkv: np.ndarray, *rest: Any, **attrs: Any) -> np.ndarray:
@@ -646,6 +696,9 @@ def _flash_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((qkv,), {**heads, "causal": False, "softmax_scale": 0.8})
     yield Sample((qkv,), {**heads, "window_size": 2})
     yield Sample((randn(rng, 1, 5, 12),), {"Hq": 1, "Hkv": 1, "D": 4, "causal": False, "window_size": 2})
+    packed = np.array([[1, 1, 2, 2], [0, 0, 1, 1]])  # two documents; left padding
+    yield Sample((qkv, packed), heads)
+    yield Sample((qkv, packed), {**heads, "causal": False})
 
 
 def _backward_samples(forward: Any, samples: Any, n_in: int) -> Any:
@@ -655,8 +708,9 @@ def _backward_samples(forward: Any, samples: Any, n_in: int) -> Any:
             attrs = {"causal": True, "softmax_scale": None, "window_size": None, **s.attrs}
             o, lse = forward(*s.inputs, **attrs)
             d_lse = randn(rng, *lse.shape)
+            segments = s.inputs[n_in:]
             for d_out, dl in ((randn(rng, *o.shape), None), (randn(rng, *o.shape), d_lse), (None, d_lse)):
-                yield Sample((d_out, *s.inputs[:n_in], o, lse, dl), s.attrs)
+                yield Sample((d_out, *s.inputs[:n_in], o, lse, dl, *segments), s.attrs)
     return make
 
 
@@ -672,14 +726,16 @@ def _flash_cost(qkv_index: int, factor: float) -> Any:
 # --- attention (separate q, k, v) ----------------------------------------------------------------
 
 
-def _attention_out(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, out: Outs, causal: bool,
-                   softmax_scale: float | None, window_size: int | None) -> None:
+def _attention_out(q: np.ndarray, k: np.ndarray, v: np.ndarray, segment_ids: np.ndarray | None = None, *,
+                   out: Outs, causal: bool, softmax_scale: float | None, window_size: int | None) -> None:
     o, lse = or_scratch(out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q.dtype)
-    _attn_forward(q, k, v, o, lse, causal, softmax_scale, window_size, "attention")
+    _attn_forward(q, k, v, o, lse, causal, softmax_scale, window_size, "attention", segment_ids)
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **attrs: Any) -> tuple[np.ndarray, ...]:
-    return allocating(_attention_out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q, k, v, **attrs)
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *inputs: np.ndarray | None,
+               **attrs: Any) -> tuple[np.ndarray, ...]:
+    return allocating(_attention_out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q, k, v, *inputs,
+                      **attrs)
 
 
 def _attention_infer(ctx: InferContext) -> list[TensorType]:
@@ -689,23 +745,27 @@ def _attention_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, ctx.shape(2), k, "k and v differ")
     check_same(ctx, (q[0], q[3]), (k[0], k[3]), "q and k differ in batch or head dim")
     _check_heads(ctx, q[2], k[2])
+    _check_segment_input(ctx, 3, k[0], k[1])
     return [TensorType(q, ctx.dtype(0)), TensorType((q[0], q[2], q[1]), "fp32")]
 
 
 def _attention_backward(ctx: BackwardContext) -> list[str | None]:
+    none: list[str | None] = [None] * (len(ctx.inputs) - 3)  # segment_ids, when given, gets no gradient
     if all(d is None for d in ctx.d_outputs) or not any(ctx.needs_grad(i) for i in range(3)):
-        return [None] * 3
+        return [None] * 3 + none
     grads = ctx.emit("attention_backward", ctx.d_outputs[0], *(ctx.saved(i) for i in range(3)),
-                     ctx.saved_output(0), ctx.saved_output(1), ctx.d_outputs[1], **ctx.attrs)
-    return [g if ctx.needs_grad(i) else None for i, g in enumerate(grads)]
+                     ctx.saved_output(0), ctx.saved_output(1), ctx.d_outputs[1], _segments(ctx, 3),
+                     **ctx.attrs)
+    return [g if ctx.needs_grad(i) else None for i, g in enumerate(grads)] + none
 
 
 def _attention_bwd_out(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
-                       lse: np.ndarray, d_lse: np.ndarray | None = None, *, out: Outs, causal: bool,
+                       lse: np.ndarray, d_lse: np.ndarray | None = None,
+                       segment_ids: np.ndarray | None = None, *, out: Outs, causal: bool,
                        softmax_scale: float | None, window_size: int | None) -> None:
     dq, dk, dv = or_scratch(out, [q.shape, k.shape, v.shape], q.dtype)
     _attn_backward(d_out, q, k, v, o, lse, d_lse, dq, dk, dv, causal, softmax_scale, window_size,
-                   "attention_backward")
+                   "attention_backward", segment_ids)
 
 
 def _attention_bwd_kernel(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -722,6 +782,9 @@ def _attention_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((q, k, v), {})
     yield Sample((q, k, v), {"causal": False, "window_size": 2, "softmax_scale": 0.7})
     yield Sample((randn(rng, 2, 3, 2, 2), randn(rng, 2, 5, 2, 2), randn(rng, 2, 5, 2, 2)), {"window_size": 3})
+    # segments (Tq < Tk: queries sit at the last Tq key positions)
+    yield Sample((randn(rng, 2, 3, 2, 2), randn(rng, 2, 5, 2, 2), randn(rng, 2, 5, 2, 2),
+                  np.array([[0, 1, 1, 2, 2], [1, 1, 1, 1, 1]])), {})
 
 
 def _attention_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
@@ -764,29 +827,31 @@ CORE_OPS = [
         doc="Gradients of qkv_qk_norm_rope (a weight's gradient is zeros when that weight was omitted).",
     ),
     core_op(
-        "flash_attention", ("qkv",), ("out", "lse"), _flash, _flash_infer, backward=_flash_backward,
-        attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples, cost=_flash_cost(0, 1.0),
-        out_kernel=_flash_out,
+        "flash_attention", ("qkv", "segment_ids?"), ("out", "lse"), _flash, _flash_infer,
+        backward=_flash_backward, attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples,
+        cost=_flash_cost(0, 1.0), out_kernel=_flash_out, nondiff_inputs={1},
         flop_heavy=True,
-        doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window): "
-            "out [B, T, Hq * D] and lse [B, Hq, T].",
+        doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window, "
+            "segments: packed documents and padding): out [B, T, Hq * D] and lse [B, Hq, T].",
     ),
     core_op(
-        "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?"), ("d_qkv",), _flash_bwd_kernel,
+        "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?", "segment_ids?"), ("d_qkv",),
+        _flash_bwd_kernel,
         _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5), out_kernel=_flash_bwd_out,
         samples=_backward_samples(_flash, _flash_samples, 1),
         doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
     ),
     core_op(
-        "attention", ("q", "k", "v"), ("out", "lse"), _attention, _attention_infer,
+        "attention", ("q", "k", "v", "segment_ids?"), ("out", "lse"), _attention, _attention_infer,
         backward=_attention_backward, attrs=_ATTN_ATTRS, samples=_attention_samples,
-        cost=_attention_cost(0, 1.0), out_kernel=_attention_out,
+        cost=_attention_cost(0, 1.0), out_kernel=_attention_out, nondiff_inputs={3},
         flop_heavy=True,
         doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
             "lse [B, Hq, Tq].",
     ),
     core_op(
-        "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?"), ("d_q", "d_k", "d_v"),
+        "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?", "segment_ids?"),
+        ("d_q", "d_k", "d_v"),
         _attention_bwd_kernel, _attention_bwd_infer, attrs=_ATTN_ATTRS, cost=_attention_cost(1, 2.5),
         out_kernel=_attention_bwd_out, samples=_backward_samples(_attention, _attention_bwd_samples, 3),
         doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",

@@ -1,0 +1,170 @@
+"""The communicators kiln-dist registers: ``local`` (one process), ``mpi`` (mpi4py on NumPy
+buffers) and ``nccl`` (nccl4py on device buffers). Each is created cheaply; the MPI world and the
+NCCL communicator start on first use."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kiln.core import KilnError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["LocalCommunicator", "MpiCommunicator", "NcclCommunicator", "mpi_available", "nccl_available"]
+
+
+def mpi_available() -> bool:
+    """Whether mpi4py is installed (kiln-dist depends on it and on the ``mpich`` wheel)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def nccl_available() -> bool:
+    """Whether nccl4py is installed (``pip install 'kiln-dist[nccl]'``, on a machine with GPUs)."""
+    return importlib.util.find_spec("nccl") is not None
+
+
+def _check_chunks(op: str, send: Any, recv: Any, world: int, whole: Any) -> None:
+    """``whole`` (``send`` or ``recv``) must hold ``world`` chunks the size of the other buffer."""
+    part = recv if whole is send else send
+    if whole.size != world * part.size or send.dtype != recv.dtype:
+        raise KilnError(f"{op}: the buffers are {send.dtype} of {send.size} (send) and {recv.dtype} of "
+                        f"{recv.size} (recv) elements; expected one dtype and {world} equal chunks")
+
+
+class LocalCommunicator:
+    """One process, rank 0 of 1: a reduction leaves its buffer as it is, a gather copies."""
+
+    name = "local"
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, buf: Any) -> None:
+        """The sum over one rank is the buffer itself."""
+
+    def reduce_scatter(self, send: Any, recv: Any) -> None:
+        _check_chunks("reduce_scatter", send, recv, 1, send)
+        recv[...] = send.reshape(recv.shape)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        _check_chunks("all_gather", send, recv, 1, recv)
+        recv[...] = send.reshape(recv.shape)
+
+    def broadcast(self, buf: Any, root: int = 0) -> None:
+        if root != 0:
+            raise KilnError(f"broadcast from rank {root}: the local communicator has rank 0 only")
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+
+class MpiCommunicator:
+    """The ranks of an MPI job (``MPI.COMM_WORLD`` unless ``comm`` is given), collectives on NumPy
+    arrays (contiguous, of one dtype on every rank) through mpi4py's buffer interface."""
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        self._comm = comm
+
+    @property
+    def comm(self) -> MPI.Comm:
+        """The MPI communicator; importing mpi4py initialises MPI (a lone process is a world of 1)."""
+        if self._comm is None:
+            from mpi4py import MPI
+
+            self._comm = MPI.COMM_WORLD
+        return self._comm
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.Get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return int(self.comm.Get_size())
+
+    def all_reduce(self, buf: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def reduce_scatter(self, send: Any, recv: Any) -> None:
+        from mpi4py import MPI
+
+        _check_chunks("reduce_scatter", send, recv, self.world_size, send)
+        self.comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        _check_chunks("all_gather", send, recv, self.world_size, recv)
+        self.comm.Allgather(send, recv)
+
+    def broadcast(self, buf: Any, root: int = 0) -> None:
+        self.comm.Bcast(buf, root=root)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+class NcclCommunicator:
+    """NCCL across the ranks of an MPI job, one GPU per rank (the rank's index among the ranks of its
+    node picks the device), on device arrays (anything nccl4py takes: DLPack or CUDA array interface).
+    Rank 0 makes the NCCL unique id and broadcasts it over MPI when the first collective runs. Host
+    NumPy arrays (a step's loss) go through MPI."""
+
+    name = "nccl"
+
+    def __init__(self, mpi: MpiCommunicator | None = None) -> None:
+        self.mpi = mpi or MpiCommunicator()
+        self._nccl: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.mpi.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mpi.world_size
+
+    @property
+    def nccl(self) -> Any:
+        """The nccl4py communicator of this rank's GPU, made on first use."""
+        if self._nccl is None:
+            from cuda.core import Device
+            from mpi4py import MPI
+            from nccl import core as nccl
+
+            local = self.mpi.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            Device(local.Get_rank()).set_current()
+            uid = bytearray(bytes(nccl.get_unique_id() if self.rank == 0 else nccl.get_unique_id(empty=True)))
+            self.mpi.broadcast(np.frombuffer(uid, np.uint8))
+            self._nccl = nccl.Communicator.init(self.world_size, self.rank, nccl.UniqueId.from_bytes(uid))
+        return self._nccl
+
+    def all_reduce(self, buf: Any) -> None:
+        if isinstance(buf, np.ndarray):
+            self.mpi.all_reduce(buf)
+            return
+        from nccl import core as nccl
+
+        self.nccl.allreduce(buf, buf, nccl.SUM)
+
+    def reduce_scatter(self, send: Any, recv: Any) -> None:
+        from nccl import core as nccl
+
+        self.nccl.reduce_scatter(send, recv, nccl.SUM)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        self.nccl.allgather(send, recv)
+
+    def broadcast(self, buf: Any, root: int = 0) -> None:
+        if isinstance(buf, np.ndarray):
+            self.mpi.broadcast(buf, root)
+            return
+        self.nccl.broadcast(buf, buf, root)
+
+    def barrier(self) -> None:
+        self.mpi.barrier()
