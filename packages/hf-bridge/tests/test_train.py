@@ -16,6 +16,7 @@ import pytest
 
 from kiln.core import KilnError, Model
 from kiln.hf import (
+    DataError,
     TrainConfigError,
     TrainingError,
     _checkpoint,
@@ -101,7 +102,7 @@ def test_a_run_writes_every_output(tmp_path: Path, corpus: Path) -> None:
     assert summary["losses"] == [r["loss"] for r in records[1:]]
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert png_size(summary["loss_curve"]) == (720, 420)
-    # keep_checkpoints = 2: the two newest remain, complete
+    # keep_last = 2: the two newest remain, complete
     assert [p.name for p in _checkpoint.checkpoints(tmp_path / "out" / "checkpoints")] == \
         ["step-00000008", "step-00000012"]
     weights, _, state = _checkpoint.load(summary["checkpoint"])
@@ -300,7 +301,7 @@ def test_the_debug_replay_draws_the_dropout_masks_of_its_step() -> None:
 
 
 def test_a_data_set_too_small_for_one_batch(tmp_path: Path, corpus: Path) -> None:
-    with pytest.raises(TrainingError, match=r"train\.batch_size"):
+    with pytest.raises(DataError, match=r"train\.batch_size"):
         train(write_config(tmp_path, corpus, train={"batch_size": 4096}), stream=io.StringIO())
 
 

@@ -209,7 +209,8 @@ def test_not_toml(tmp_path: Path) -> None:
 def test_a_dict_config_and_paths(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("x")
     cfg = load_train_config({"model": {"name": "LlamaModel", "size": "small"}, "data": {"files": "a.txt"},
-                             "train": {"memory_budget": "64MiB", "output_dir": "out"}}, base=tmp_path)
+                             "train": {"recompute": "auto", "memory_budget": "64MiB", "output_dir": "out"}},
+                            base=tmp_path)
     assert cfg["data"]["files"] == [tmp_path / "a.txt"]
     assert cfg["train"]["output_dir"] == tmp_path / "out" and cfg["train"]["memory_budget"] == 64 << 20
 

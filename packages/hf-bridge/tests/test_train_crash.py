@@ -24,7 +24,7 @@ from test_train import make_corpus, metrics, write_config
 pytestmark = pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
                                 reason="needs the forkserver start method")
 
-KEYS = {"train": {"steps": 100_000, "checkpoint_every": 1, "eval_every": 7, "keep_checkpoints": 2},
+KEYS = {"train": {"steps": 100_000, "checkpoint_every": 1, "eval_every": 7, "keep_last": 2},
         "optimizer": {"schedule": "constant", "warmup_steps": 3}}
 
 

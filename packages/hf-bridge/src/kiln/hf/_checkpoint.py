@@ -6,6 +6,7 @@ RNG state, ...; it also lists every file with its size). It is written into a te
 file and the folder fsynced, then renamed into place: a folder named ``step-<n>`` is always complete.
 Older checkpoints are removed only after that, by renaming them aside first, so a crash can leave at
 worst an ignored ``.tmp-*`` or ``.old-*`` folder, never a half-written or half-deleted checkpoint.
+Kept are the newest ``keep`` and the ``keep_best`` of lowest ``eval_loss`` (as ``state.json`` says).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def _fsync(path: Path) -> None:
 
 
 def save(root: str | Path, step: int, weights: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray],
-         state: Mapping[str, Any], *, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep`` checkpoints."""
+         state: Mapping[str, Any], *, keep: int = 2, keep_best: int = 0) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep`` checkpoints and
+    the ``keep_best`` whose ``state["eval_loss"]`` is lowest."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -58,9 +60,32 @@ def save(root: str | Path, step: int, weights: Mapping[str, np.ndarray], optimiz
     _fsync(tmp)
     os.rename(tmp, final)
     _fsync(root)
-    for old in checkpoints(root)[:-keep]:
-        _discard(old)
+    found = checkpoints(root)
+    scored = _scored(found) if keep_best else {}
+    kept = {*found[-keep:], *sorted(scored, key=scored.__getitem__)[:keep_best]}
+    for old in found:
+        if old not in kept:
+            _discard(old)
     return final
+
+
+def _scored(found: list[Path]) -> dict[Path, float]:
+    """The checkpoints of ``found`` that hold an eval loss, with it."""
+    out = {}
+    for path in found:
+        try:
+            loss = json.loads((path / "state.json").read_text(encoding="utf-8")).get("eval_loss")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(loss, (int, float)):
+            out[path] = float(loss)
+    return out
+
+
+def best(found: list[Path]) -> Path | None:
+    """The checkpoint of ``found`` with the lowest eval loss (the newest of equals), or None."""
+    scored = _scored(found)
+    return min(reversed(scored), key=scored.__getitem__, default=None)
 
 
 def set_aside(path: Path) -> Path:

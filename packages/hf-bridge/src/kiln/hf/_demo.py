@@ -145,7 +145,7 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
     Earlier demo runs in ``root`` are replaced.
     """
     from kiln.hf import from_pretrained, load_tokenizer
-    from kiln.hf._train import train
+    from kiln.hf._train import Interrupted, train
 
     out = stream or sys.stdout
     started = time.perf_counter()
@@ -167,8 +167,14 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
     pretrain.write_text(PRETRAIN.format(root=root, steps=steps, eval_every=max(steps // 4, 1),
                                         warmup=max(steps // 15, 1)), encoding="utf-8")
 
+    def stopped(summary: dict[str, Any], config: Path) -> None:
+        if summary["signal"]:  # SIGINT or SIGTERM after a step: the phase's checkpoint is saved
+            raise Interrupted(summary["signal"], f"interrupted: the checkpoint {summary['checkpoint']} is "
+                                                 f"kept; kiln train {config} --resume continues that phase")
+
     heading("1. a tiny Qwen3 from scratch, on the text of Python's help() topics")
     first = train(pretrain, stream=out)
+    stopped(first, pretrain)
     model_dir = first["model"]
 
     heading("2. the trained model, loaded back from its HF checkpoint")
@@ -189,6 +195,7 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
         lora.write_text(LORA.format(root=root, steps=lora_steps, eval_every=max(lora_steps // 2, 1),
                                     warmup=max(lora_steps // 10, 1)), encoding="utf-8")
         second = train(lora, stream=out)
+        stopped(second, lora)
 
     heading(f"done in {duration(time.perf_counter() - started)}: everything is in {root}/")
     rows = [("data/", "the two training texts"),
@@ -205,9 +212,15 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
 
 
 def run(args: Any) -> int:
+    """``kiln demo``: 0, or 128 + the signal's number when SIGINT or SIGTERM stopped it."""
+    from kiln.hf._train import Interrupted
+
     try:
         demo()
-    except KeyboardInterrupt:
+    except Interrupted as e:
+        print(f"\n{e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # outside a training run
         print("\ninterrupted", file=sys.stderr)
         return 130
     return 0

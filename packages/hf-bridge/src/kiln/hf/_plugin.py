@@ -16,7 +16,11 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the output folder (start if there is none)")
     p.add_argument("--debug-nans", action="store_true",
-                   help="on a non-finite loss, name the first op that produced a non-finite value")
+                   help="on a non-finite loss, name the first op that produced a non-finite value; check the "
+                        "weights after every optimizer update")
+    p.epilog = ("SIGINT (Ctrl-C) and SIGTERM save a checkpoint after the current step. Exit codes: 0 done, "
+                "2 config error, 3 data error, 4 non-finite loss, 130 or 143 stopped by SIGINT or SIGTERM "
+                "(see docs/training.md).")
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -44,4 +48,4 @@ def kiln_cli_commands(register: Callable[..., Any]) -> None:
              "every weight or LoRA adapters",
              run=_run_train, configure=_configure_train)
     register("demo", help="train a tiny Qwen3 and a LoRA adapter on Python's own help texts, in ./kiln-demo "
-             "(no downloads, about a minute on a CPU)", run=_run_demo)
+             "(no downloads, about half a minute on a CPU)", run=_run_demo)

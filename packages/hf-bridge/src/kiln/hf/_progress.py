@@ -19,10 +19,13 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """Step, loss, eval loss, tokens/s and ETA of a run of ``total`` steps starting after ``start``.
+    """Step, loss, eval loss, learning rate, gradient norm, tokens/s, elapsed time and ETA of a run of
+    ``total`` steps starting after ``start``.
 
-    Speeds count only the steps of this process (a resumed run does not average in the compile of
-    the first step: the clock starts after it).
+    The eval loss shows on the line of the step it was computed at; between evaluations a terminal's
+    bar shows the last one with its step (``eval@40``), a log line none. Speeds count only the steps
+    of this process (a resumed run does not average in the compile of the first step: the clock starts
+    after it).
     """
 
     def __init__(self, total: int, *, start: int = 0, stream: TextIO | None = None, tty: bool | None = None,
@@ -32,16 +35,21 @@ class Progress:
         self.total, self.every = total, every
         self.step = start
         self.loss: float | None = None
-        self.eval_loss: float | None = None
+        self.eval: tuple[int, float] | None = None  # the step of the last evaluation and its loss
+        self.lr: float | None = None
+        self.grad_norm: float | None = None
+        self.elapsed: float | None = None
         self._t0: float | None = None
         self._counted = (start, 0.0)  # step and tokens when the clock started
         self._tokens = 0.0
         self._drawn = False
 
-    def update(self, step: int, loss: float, tokens: float, eval_loss: float | None = None) -> None:
-        self.step, self.loss = step, loss
+    def update(self, step: int, loss: float, tokens: float, eval_loss: float | None = None, *,
+               lr: float | None = None, grad_norm: float | None = None, elapsed: float | None = None) -> None:
+        """Step ``step`` is done; ``elapsed`` is the run's time so far (across resumptions)."""
+        self.step, self.loss, self.lr, self.grad_norm, self.elapsed = step, loss, lr, grad_norm, elapsed
         if eval_loss is not None:
-            self.eval_loss = eval_loss
+            self.eval = (step, eval_loss)
         self._tokens += tokens
         if self._t0 is None:  # the first step compiles: time from its end
             self._t0, self._counted = time.perf_counter(), (step, self._tokens)
@@ -63,11 +71,21 @@ class Progress:
         parts = [f"step {self.step:>{width}}/{self.total}"]
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
-        if self.eval_loss is not None:
-            parts.append(f"eval {self.eval_loss:.4f}")
+        if self.eval is not None and self.eval[0] == self.step:
+            parts.append(f"eval {self.eval[1]:.4f}")
+        elif self.eval is not None and self.tty:
+            parts.append(f"eval@{self.eval[0]} {self.eval[1]:.4f}")
+        if self.lr is not None:
+            parts.append(f"lr {self.lr:.2e}")
+        if self.grad_norm is not None:
+            parts.append(f"grad {self.grad_norm:.3f}")
         speed, eta = self.rates()
-        if speed is not None and eta is not None:
-            parts += [f"{speed:,.0f} tok/s", f"ETA {duration(eta)}"]
+        if speed is not None:
+            parts.append(f"{speed:,.0f} tok/s")
+        if self.elapsed is not None:
+            parts.append(f"{duration(self.elapsed)} elapsed")
+        if eta is not None:
+            parts.append(f"ETA {duration(eta)}")
         return "  ".join(parts)
 
     def message(self, text: str) -> None:

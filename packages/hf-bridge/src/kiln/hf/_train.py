@@ -13,6 +13,7 @@ import difflib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -29,6 +30,7 @@ import numpy as np
 
 from kiln.core import KilnError
 from kiln.hf import _checkpoint
+from kiln.hf._errors import DataError
 from kiln.hf._progress import Progress, duration
 
 #: DSL constructor arguments per size; the DSL ignores those a model does not take
@@ -42,8 +44,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 _COMMON = {"tie_word_embeddings": True, "rope_theta": 10000.0, "num_experts": 4, "num_experts_per_tok": 2}
 #: keys a resumed run may change; any other change is refused
-_RESUMABLE = ("train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-              "train.keep_checkpoints", "train.log_every")
+_RESUMABLE = ("train.output_dir", "train.steps", "train.eval_every", "train.eval_batches",
+              "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every")
+#: ``kiln train``'s exit codes for data errors and non-finite values (a config error exits 2, as every
+#: other KilnError; docs/training.md lists them all)
+EXIT_DATA, EXIT_NONFINITE = 3, 4
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainConfigError(KilnError):
@@ -60,7 +68,18 @@ class TrainConfigError(KilnError):
 
 
 class TrainingError(KilnError):
-    """A run that cannot go on: a non-finite loss or gradient (naming the step), or too little data."""
+    """A run that cannot go on: a non-finite loss, gradient or weight (naming the step)."""
+
+    exit_code = EXIT_NONFINITE
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run at once (at start-up, or a second time while training):
+    ``exit_code`` is 128 + the signal's number, ``message`` says what is left to resume from."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message)
+        self.signum, self.message, self.exit_code = signum, message, 128 + signum
 
 
 # -- the schema
@@ -143,7 +162,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "eval_every": Key("int", 50, check=_at_least(0)),
         "eval_batches": Key("int", 8, check=_at_least(1)),
         "checkpoint_every": Key("int", 50, check=_at_least(0)),
-        "keep_checkpoints": Key("int", 2, check=_at_least(1)),
+        "keep_last": Key("int", 2, check=_at_least(1)),
+        "keep_best": Key("int", 0, check=_at_least(0)),
         "log_every": Key("int", 10, check=_at_least(1)),
     },
     "optimizer": {
@@ -182,30 +202,54 @@ _KINDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "true
 
 @attrs.frozen
 class TrainConfig:
-    """A checked config: every key of every section (defaults filled in, paths absolute)."""
+    """A checked config: every key of every section (defaults filled in, paths absolute).
+
+    ``root`` is the folder relative paths start from (the config file's); ``given`` the sections and
+    keys the file sets.
+    """
 
     sections: Mapping[str, Mapping[str, Any]]
     file: Path | None = None
-    given: Mapping[str, frozenset[str]] = attrs.field(factory=dict)  # the sections and keys the file sets
+    given: Mapping[str, frozenset[str]] = attrs.field(factory=dict)
+    root: Path = Path()
 
     def __getitem__(self, section: str) -> Mapping[str, Any]:
         return self.sections[section]
 
     def fingerprint(self) -> dict[str, Any]:
-        """The values that define a run (all but those a resumed run may change), as JSON values."""
-        return {f"{s}.{k}": _jsonable(v) for s, keys in self.sections.items() for k, v in keys.items()
-                if f"{s}.{k}" not in _RESUMABLE}
+        """The values that define a run (all but those a resumed run may change), as JSON values; paths
+        under ``root`` relative to it, so that a project folder moved or copied elsewhere resumes."""
+        return {f"{s}.{k}": _jsonable(v, self.root) for s, keys in self.sections.items()
+                for k, v in keys.items() if f"{s}.{k}" not in _RESUMABLE}
+
+    def plan(self) -> tuple[Any, dict[str, Any]]:
+        """What ``kiln plan CONFIG.toml`` plans: the IR of the model the run trains, and the settings of
+        its training step: ``mode``, ``recompute``, ``budget``, ``batch``, ``seq``, ``backend``,
+        ``optimizer`` and ``passes`` (in LoRA mode, the ``lora`` pass with the ``[lora]`` table)."""
+        from kiln.hf import load_tokenizer
+
+        t, tokenizer = self["train"], self["data"]["tokenizer"]
+        if self["model"]["checkpoint"] is not None:
+            bundle = _checkpoint_ir(self)
+        else:
+            bundle = _scratch_bundle(self, None if tokenizer is None else
+                                     load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True))
+        return bundle, {"mode": t["mode"], "recompute": t["recompute"], "budget": t["memory_budget"],
+                        "batch": t["batch_size"], "seq": t["seq_len"], "backend": t["backend"],
+                        "optimizer": _optimizer(self, t["steps"]),
+                        "passes": [("lora", dict(self["lora"]))] if t["mode"] == "lora" else []}
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: Any, root: Path | None = None) -> Any:
+    """``v`` as JSON values; a path under ``root`` relative to it."""
     if isinstance(v, Path):
-        return str(v)
+        return str(v.relative_to(root) if root is not None and v.is_relative_to(root) else v)
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [_jsonable(x, root) for x in v]
     if isinstance(v, Mapping):
-        return {k: _jsonable(x) for k, x in v.items()}
+        return {k: _jsonable(x, root) for k, x in v.items()}
     if attrs.has(type(v)):  # a parameter group
-        return _jsonable(attrs.asdict(v))
+        return _jsonable(attrs.asdict(v), root)
     return v
 
 
@@ -325,30 +369,31 @@ def load_train_config(source: str | Path | Mapping[str, Any], *,
                 out[key] = spec.default
     if sections["train"]["output_dir"] is None:
         sections["train"]["output_dir"] = root / "runs" / (file.stem if file else "run")
-    config = TrainConfig(sections, file, {name: frozenset(table) for name, table in data.items()})
+    config = TrainConfig(sections, file, {name: frozenset(table) for name, table in data.items()}, root)
     _check_together(config)
     return config
 
 
 def _check_together(config: TrainConfig) -> None:
-    """Checks across keys, and those that need the model library, the files or kiln-peft."""
-    file, model, data, mode = config.file, config["model"], config["data"], config["train"]["mode"]
+    """Checks across keys, and those that need the model library, the files or kiln-peft: the model's
+    config.json and weight files, the model built from scratch, the LoRA targets, the output folder."""
+    file, model, data, t = config.file, config["model"], config["data"], config["train"]
     ckpt, tokenizer = model["checkpoint"], data["tokenizer"]
     if (model["name"] is None) == (ckpt is None):
         raise TrainConfigError("give either model.name (a model trained from scratch) or model.checkpoint "
                                "(a HF checkpoint folder)" + (", not both" if ckpt else ""),
                                key="model.checkpoint" if ckpt else "model.name", file=file,
                                hint=f"models: {', '.join(_models())}")
+    if t["memory_budget"] is not None and t["recompute"] != "auto":
+        raise TrainConfigError(f"applies only with train.recompute = \"auto\" (recompute is "
+                               f"{t['recompute']!r}): the other planners take no budget",
+                               key="train.memory_budget", file=file,
+                               hint="set recompute = \"auto\", or remove memory_budget")
+    _check_output_dir(t["output_dir"], file)
     if ckpt is not None:
         if not (ckpt / "config.json").is_file():
             raise TrainConfigError(f"{str(ckpt)!r} is not a HF checkpoint folder (it has no config.json)",
                                    key="model.checkpoint", file=file)
-        from kiln.hf._pretrained import compile_config, read_config
-
-        try:  # the architecture and config.json are checked now; the weights when they are read
-            compile_config(*read_config(ckpt))
-        except KilnError as e:
-            raise TrainConfigError(str(e), key="model.checkpoint", file=file) from None
         for key in ("size", "config"):
             if key in config.given.get("model", ()):
                 raise TrainConfigError("applies to model.name only; a checkpoint's config.json sets the "
@@ -357,17 +402,10 @@ def _check_together(config: TrainConfig) -> None:
             raise TrainConfigError(f"is needed: the checkpoint {str(ckpt)!r} has no tokenizer.json, and a "
                                    "new tokenizer would not match its vocabulary", key="data.tokenizer",
                                    file=file)
+        bundle = _checkpoint_ir(config)
     if tokenizer is not None and not (tokenizer.is_file() or (tokenizer / "tokenizer.json").is_file()):
         raise TrainConfigError(f"{str(tokenizer)!r} is neither a tokenizer.json nor a folder holding one",
                                key="data.tokenizer", file=file)
-    if mode == "lora":
-        if "lora" not in _registered("adapters"):
-            raise TrainConfigError("LoRA training needs kiln-peft, which is not installed", key="train.mode",
-                                   file=file, hint="pip install kiln-peft")
-        _lora_config(config)
-    elif "lora" in config.given:
-        raise TrainConfigError("the [lora] section applies only with train.mode = \"lora\"", key="lora",
-                               file=file)
     if model["name"] is not None:
         bundle = _scratch_bundle(config, None)  # the DSL checks the model's config now
         try:  # and the run can export it: a dry run of the export over empty views
@@ -378,6 +416,80 @@ def _check_together(config: TrainConfig) -> None:
         except KilnError as e:
             raise TrainConfigError(f"{model['name']} trained from scratch cannot be saved as a HF checkpoint "
                                    f"yet: {e.message}", key="model.name", file=file) from None
+    if t["mode"] == "lora":
+        if "lora" not in _registered("adapters"):
+            raise TrainConfigError("LoRA training needs kiln-peft, which is not installed", key="train.mode",
+                                   file=file, hint="pip install kiln-peft")
+        _check_lora_targets(config, bundle)
+    elif "lora" in config.given:
+        raise TrainConfigError("the [lora] section applies only with train.mode = \"lora\"", key="lora",
+                               file=file)
+
+
+def _check_output_dir(out: Path, file: Path | None) -> None:
+    """``out`` is a folder, or one the run can create (nothing is created now)."""
+    if out.exists() and not out.is_dir():
+        raise TrainConfigError(f"{str(out)!r} is a file, not a folder", key="train.output_dir", file=file)
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TrainConfigError(f"{str(out)!r} cannot be created: {str(existing)!r} is a file",
+                               key="train.output_dir", file=file)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainConfigError(f"{str(out)!r} cannot be written: {str(existing)!r} is not writable by this "
+                               "user", key="train.output_dir", file=file)
+
+
+def _checkpoint_ir(config: TrainConfig) -> Any:
+    """The IR of ``model.checkpoint`` from its config.json, once its weight files' headers are checked
+    (a missing or truncated file is reported now, not after tokenizing)."""
+    from kiln.hf import open_checkpoint
+    from kiln.hf._pretrained import compile_config, read_config
+
+    ckpt, file, seq = config["model"]["checkpoint"], config.file, config["train"]["seq_len"]
+    try:  # the architecture and config.json, then every weight file's header against its size
+        bundle = compile_config(*read_config(ckpt))[0]
+        with open_checkpoint(ckpt):
+            pass
+    except KilnError as e:
+        raise TrainConfigError(str(e), key="model.checkpoint", file=file) from None
+    positions = bundle.module(bundle.entry).config.get("max_seq")
+    if isinstance(positions, int) and seq > positions:
+        raise TrainConfigError(f"{seq} is more than the {positions} positions of the checkpoint's model "
+                               "(max_position_embeddings in its config.json)", key="train.seq_len", file=file,
+                               hint=f"seq_len <= {positions}")
+    return bundle
+
+
+def _check_lora_targets(config: TrainConfig, bundle: Any) -> None:
+    """The ``lora`` pass on the model's IR, so that a ``target_modules`` entry that matches nothing is
+    reported before any weight is read, with the closest module name."""
+    from kiln.core import get_registry
+
+    try:
+        get_registry("graph_passes")["lora"](bundle, _lora_config(config))
+    except TrainConfigError:
+        raise
+    except KilnError as e:
+        culprit = str(getattr(e, "key", ""))  # the entry; the adapter's hint lists the model's names
+        close = difflib.get_close_matches(culprit, re.findall(r"\w+", e.hint or ""), n=1)
+        raise TrainConfigError(e.message + (f" (did you mean {close[0]!r}?)" if close else ""),
+                               key="lora.target_modules", file=config.file, hint=e.hint) from None
+
+
+def _optimizer(config: TrainConfig, total_steps: int) -> Any:
+    """The ``[optimizer]`` table as an optimizer: ``name`` picks a registered one (core's ``adamw``
+    and ``sgd``, or a plugin's), which takes the settings it declares."""
+    from kiln.core import HF_TRAINER_GROUPS, get_registry
+
+    o = config["optimizer"]
+    cls = get_registry("optimizers")[o["name"]]
+    settings = {**o, "max_grad_norm": o["max_grad_norm"] or None, "total_steps": total_steps,
+                "groups": o["groups"] if o["groups"] is not None else
+                () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
+    fields = {a.name for a in attrs.fields(cls)}
+    return cls(**{k: v for k, v in settings.items() if k in fields})
 
 
 def _lora_config(config: TrainConfig) -> Any:
@@ -408,6 +520,11 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
         raise TrainConfigError(f"is not a config key of {model['name']}"
                                + (f" (did you mean {close!r}?)" if close else ""), key=f"model.config.{key}",
                                file=file, hint=f"{model['name']} takes {takes}")
+    defaults = _constructor_defaults(model["name"])
+    for key, value in given.items():  # of the kind of the constructor's default, where it has one
+        kind = _DEFAULT_KINDS.get(type(defaults.get(key)))
+        if kind is not None:
+            _value(f"model.config.{key}", Key(kind), value, config.root, file)
     vocab = vocab_size or config["data"]["vocab_size"]
     if vocab_size is not None and given.get("vocab_size", vocab) < vocab:
         raise TrainConfigError(f"{given['vocab_size']} is below the tokenizer's {vocab} tokens",
@@ -422,6 +539,19 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
         raise TrainConfigError(f"model {model['name']!r} ({model['size']}) does not compile with this "
                                f"config: {e.message}", key="model.config", file=file,
                                hint="; ".join(str(d) for d in e.diagnostics) or e.hint) from None
+
+
+_DEFAULT_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _constructor_defaults(name: str) -> dict[str, Any]:
+    """The defaults of a DSL model's constructor arguments."""
+    import inspect
+
+    from kiln.dsl import get_model_spec
+
+    params = inspect.signature(get_model_spec(name).cls.__init__).parameters
+    return {k: p.default for k, p in params.items() if p.default is not p.empty}
 
 
 def hf_config_of(bundle: Any) -> dict[str, Any]:
@@ -549,17 +679,21 @@ def replay_step(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, n
     with the ops' reference kernels and a fresh array per tensor (random ops draw the masks that step
     drew): ``(program step, tensor name, value)`` for every output of the forward and backward.
     Raises KeyError naming a tensor the replay has no value for."""
-    from kiln.core import counter_offset, op_registry
+    from kiln.core import counter_offset, op_registry, segment_ids
 
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
     prog, registry = model.program(*ids.shape), op_registry()
     tensors, env = prog.tensors, dict(parameters)
     mask = (labels != -100).astype(np.float64)
-    feeds = {"token_ids": ids, "targets": labels, "position_ids": np.arange(ids.shape[1]),
+    positions = batch.get("position_ids", np.arange(ids.shape[1]))
+    feeds = {"token_ids": ids, "targets": labels, "position_ids": positions,
+             "segment_ids": segment_ids(batch.get("attention_mask"), batch.get("position_ids"), ids.shape),
              "d_loss": mask / max(mask.sum(), 1)}
     for name, value in feeds.items():
         if name in tensors:
-            env[name] = np.asarray(value).astype(tensors[name].dtype).reshape(tensors[name].shape)
+            arr, shape = np.asarray(value).astype(tensors[name].dtype), tensors[name].shape
+            # position ids: [T] for every row, or one row per sequence
+            env[name] = arr.reshape(shape) if arr.size == math.prod(shape) else np.broadcast_to(arr, shape)
     for st in prog.steps:
         if st.phase == "optimizer":
             return
@@ -580,7 +714,13 @@ def replay_step(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, n
 
 def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, np.ndarray],
                     step: int = 1) -> str:
-    """Replay training step ``step`` (:func:`replay_step`); name the first op whose output is not finite."""
+    """Replay training step ``step`` (:func:`replay_step`); name the first op whose output is not finite,
+    or the weight that was not finite before the step (an earlier optimizer update made it so)."""
+    for name, value in parameters.items():
+        bad = value.size - int(np.isfinite(value).sum())
+        if bad:
+            return (f"weight {name!r} was not finite before step {step} ({bad} of its {value.size} values): "
+                    "an earlier step's optimizer update made it so, not an op of this step")
     replay = replay_step(model, batch, parameters, step)
     while True:
         try:
@@ -652,6 +792,24 @@ def _eos_token(folder: Path | None) -> str:
     return EOS_TOKEN
 
 
+def _check_utf8(file: Path) -> None:
+    """Raise :class:`DataError` naming ``file`` and the offset of its first byte that is not UTF-8."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(file, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                raise DataError(f"not UTF-8 text: {e.reason} at byte {offset + e.start}", file=file,
+                                hint="save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 class _Run:
     def __init__(self, config: TrainConfig, *, resume: bool, debug_nans: bool, stream: TextIO) -> None:
         self.c, self.resume, self.debug_nans, self.stream = config, resume, debug_nans, stream
@@ -661,7 +819,8 @@ class _Run:
         self.steps, self.mode = train["steps"], train["mode"]
         self.progress: Progress | None = None
         self.bundle: Any = None
-        self.stop = False
+        self.training = False  # between the first step and the last: a signal stops at a step's end
+        self.stop = 0  # the signal that asked the run to stop
         self.elapsed = 0.0  # seconds spent by the processes before this one
         self.t0 = time.perf_counter()
 
@@ -688,6 +847,8 @@ class _Run:
             tok, eos = load_tokenizer(source), _eos_token(source if source.is_dir() else source.parent)
         else:
             start = time.perf_counter()
+            for file in data["files"]:  # the tokenizers library reports bad bytes without naming the file
+                _check_utf8(file)
             tok, eos = train_bpe_tokenizer(data["files"], data["vocab_size"]), _eos_token(None)
             self.say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on "
                      f"{len(data['files'])} file(s) in {time.perf_counter() - start:.1f}s")
@@ -704,12 +865,12 @@ class _Run:
                                 validation_fraction=data["validation_fraction"], drop_last=True,
                                 cache_dir=self.dir / "cache")
         if len(self.ds) == 0:
-            raise TrainingError(f"the data holds {self.ds.num_sequences} training sequences of "
-                                f"{t['seq_len']} tokens, fewer than one step's "
-                                f"{t['batch_size'] * t['grad_accum_steps']} (train.batch_size x "
-                                "train.grad_accum_steps)",
-                                hint="add text to data.files, or lower train.batch_size, grad_accum_steps or "
-                                     "seq_len")
+            raise DataError(f"the data holds {self.ds.num_sequences} training sequences of "
+                            f"{t['seq_len']} tokens, fewer than one step's "
+                            f"{t['batch_size'] * t['grad_accum_steps']} (train.batch_size x "
+                            "train.grad_accum_steps)",
+                            hint="add text to data.files, or lower train.batch_size, grad_accum_steps or "
+                                 "seq_len")
         self.say(f"data: {len(self.ds.tokens):,} tokens in {len(data['files'])} file(s), "
                  f"{self.ds.num_sequences:,} training sequences of {t['seq_len']} ({len(self.ds):,} "
                  f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out")
@@ -718,7 +879,7 @@ class _Run:
         from kiln.core import Model
 
         m, t = self.c["model"], self.c["train"]
-        optimizer = self.build_optimizer()
+        optimizer = _optimizer(self.c, self.steps)
         options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
                    "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
         if m["checkpoint"] is not None:
@@ -751,23 +912,9 @@ class _Run:
                  f"{t['backend']} backend")
         return model
 
-    def build_optimizer(self) -> Any:
-        """The ``[optimizer]`` table as an optimizer: ``name`` picks a registered one (core's ``adamw``
-        and ``sgd``, or a plugin's), which takes the settings it declares."""
-        from kiln.core import HF_TRAINER_GROUPS, get_registry
-
-        o = self.c["optimizer"]
-        cls = get_registry("optimizers")[o["name"]]
-        settings = {**o, "max_grad_norm": o["max_grad_norm"] or None,
-                    "total_steps": self.steps,
-                    "groups": o["groups"] if o["groups"] is not None else
-                    () if o["decay_norms_and_biases"] else HF_TRAINER_GROUPS}
-        fields = {a.name for a in attrs.fields(cls)}
-        return cls(**{k: v for k, v in settings.items() if k in fields})
-
     # -- checkpoints
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, eval_loss: float | None = None) -> Path:
         state = self.model.state_dict()
         opt = state["optimizer"]
         trainable = self.model.trainable
@@ -777,10 +924,15 @@ class _Run:
         rng: dict[str, Any] = {"shuffle_seed": self.c["data"]["seed"], "epoch": self.ds.epoch}
         if hasattr(self.model, "rng_state"):  # random ops whose state lives in the model
             rng["model"] = self.model.rng_state()
-        info = {"optimizer_step": opt["step"], "data": self.ds.state(), "rng": rng, "elapsed": self.clock(),
-                "config": self.c.fingerprint()}
-        keep = self.c["train"]["keep_checkpoints"]
-        return _checkpoint.save(self.ckpts, step, weights, moments, info, keep=keep)
+        info = {"optimizer_step": opt["step"], "data": self.ds.state(), "data_files": self.data_files(),
+                "rng": rng, "elapsed": self.clock(), "config": self.c.fingerprint(), "eval_loss": eval_loss}
+        t = self.c["train"]
+        return _checkpoint.save(self.ckpts, step, weights, moments, info, keep=t["keep_last"],
+                                keep_best=t["keep_best"])
+
+    def data_files(self) -> list[list[Any]]:
+        """The data files (relative to the config's folder) and their sizes: what a moved run compares."""
+        return [[_jsonable(f, self.c.root), f.stat().st_size] for f in self.c["data"]["files"]]
 
     def restore(self) -> int:
         """Load the newest intact checkpoint; the step it was taken after (0 without one)."""
@@ -803,10 +955,17 @@ class _Run:
             self.model.load_state_dict({"parameters": weights, "optimizer": opt})
             if "model" in state["rng"] and hasattr(self.model, "set_rng_state"):
                 self.model.set_rng_state(state["rng"]["model"])
-            self.ds.load_state(state["data"])
+            data = state["data"]
+            if state.get("data_files") == self.data_files():  # the dataset's own fingerprint holds the
+                data = {**data, "fingerprint": self.ds.state()["fingerprint"]}  # files' absolute paths
+            self.ds.load_state(data)
             self.elapsed, self.t0 = float(state.get("elapsed", 0.0)), time.perf_counter()
-            self.say(f"resuming from {path} (step {state['step']})")
-            return int(state["step"])
+            step = int(state["step"])
+            self.say(f"resuming from {path} (step {step})")
+            if step > self.steps:
+                self.say(f"note: the run being resumed has done {step} steps, more than train.steps = "
+                         f"{self.steps}: nothing is trained; the model of step {step} is saved")
+            return step
         self.say("no checkpoint to resume from: starting at step 0")
         return 0
 
@@ -834,14 +993,16 @@ class _Run:
                   before: Mapping[str, np.ndarray] | None) -> TrainingError:
         what, value = ("loss", stats["loss"]) if not math.isfinite(stats["loss"]) else \
             ("gradient norm", stats["grad_norm"])
-        found = _checkpoint.checkpoints(self.ckpts)
-        kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
-        message = f"non-finite {what} ({value}) at step {step}; {kept}"
+        message = f"non-finite {what} ({value}) at step {step}; {self.kept()}"
         if before is None:
             return TrainingError(message, hint="run again with --resume --debug-nans to find the first op "
                                                "that produced a non-finite value")
         with np.errstate(all="ignore"):
             return TrainingError(f"{message}\n{first_nonfinite(self.model, batch, before, self.model.step)}")
+
+    def kept(self) -> str:
+        found = _checkpoint.checkpoints(self.ckpts)
+        return f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written yet"
 
     def run(self) -> dict[str, Any]:
         found = _checkpoint.checkpoints(self.ckpts)
@@ -849,7 +1010,36 @@ class _Run:
             raise TrainConfigError(f"{str(self.dir)!r} holds the checkpoints of an earlier run (the last is "
                                    f"{found[-1].name})", key="train.output_dir", file=self.c.file,
                                    hint="pass --resume to continue it, or choose another output_dir")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        created = None  # the outermost folder this run creates
+        if not self.dir.exists():
+            created = self.dir
+            while not created.parent.exists():
+                created = created.parent
+        main = threading.current_thread() is threading.main_thread()
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in _SIGNALS} if main else {}
+        try:
+            return self.stages()
+        except BaseException as e:  # a failed or interrupted run: no half-made output folder
+            if created and not _checkpoint.checkpoints(self.ckpts):
+                shutil.rmtree(created, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt):
+                signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+                found = _checkpoint.checkpoints(self.ckpts)
+                left = (f"the last checkpoint, {found[-1]}, is intact (continue with --resume)" if found else
+                        "no checkpoint was written, so there is nothing to resume"
+                        + (f" ({created} was removed)" if created else ""))
+                raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}: {left}") from None
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stages(self) -> dict[str, Any]:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrainConfigError(f"cannot be created: {e.strerror or e}", key="train.output_dir",
+                                   file=self.c.file) from None
         _checkpoint.clean(self.ckpts)
         tokenizer, eos = self.tokenizer()
         self.data(tokenizer, eos)
@@ -857,34 +1047,37 @@ class _Run:
         self.say(plan_summary(self.model, self.c["train"]["batch_size"], self.c["train"]["seq_len"]))
         start = self.restore() if self.resume else 0
         metrics = _Metrics(self.dir / "metrics.jsonl", start if start else -1)
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self.on_sigint) if main else None
         try:
-            interrupted = self.loop(start, metrics)
+            self.training = True
+            self.loop(start, metrics)
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            self.training = False
             if self.progress is not None:
                 self.progress.close()
                 self.progress = None
             metrics.close()
-        return self.finish(metrics.records, interrupted, tokenizer, eos)
+        return self.finish(metrics.records, tokenizer, eos)
 
-    def on_sigint(self, signum: int, frame: Any) -> None:
-        if self.stop:  # a second Ctrl-C: quit at once; the last checkpoint is intact
-            raise KeyboardInterrupt
-        self.stop = True
-        self.say("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to quit at once)")
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """SIGINT or SIGTERM: while training, stop after the current step with a checkpoint; at
+        start-up, or a second time, stop at once (the last checkpoint is intact)."""
+        if not self.training or self.stop:
+            raise Interrupted(signum)
+        self.stop = signum
+        if self.progress is not None:  # the bar is not drawn again
+            self.progress.close()
+            self.progress = None
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.say(f"{name}: saving a checkpoint after this step (Ctrl-C again to quit at once)")
 
-    def loop(self, start: int, metrics: _Metrics) -> bool:
-        """Train from step ``start`` to the last; True when Ctrl-C stopped it."""
+    def loop(self, start: int, metrics: _Metrics) -> None:
+        """Train from step ``start`` to the last, or to the step a signal came in."""
         t = self.c["train"]
         evals, saves = t["eval_every"], t["checkpoint_every"]
         self.progress = Progress(self.steps, start=start, stream=self.stream, every=t["log_every"])
         if start == 0:
             loss = self.evaluate()
             metrics.write({"step": 0, "eval_loss": loss})
-            self.progress.eval_loss = loss
             self.say(f"eval loss before training: {loss:.4f}")
         saved, batches = start, self.batches()
         for step in range(start + 1, self.steps + 1):
@@ -894,25 +1087,37 @@ class _Run:
                 stats = self.model.train_step(batch, micro_batches=self.c["train"]["grad_accum_steps"])
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 raise self.nonfinite(step, stats, batch, before)
+            if self.debug_nans:
+                self.check_weights(step)
             record = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"],
                       "tokens": int(stats["tokens"])}
             if (evals and step % evals == 0) or step == self.steps:
                 record["eval_loss"] = self.evaluate()
             record["elapsed"] = round(self.clock(), 3)
             metrics.write(record)
-            self.progress.update(step, stats["loss"], stats["tokens"], record.get("eval_loss"))
+            if self.progress is not None:
+                self.progress.update(step, stats["loss"], stats["tokens"], record.get("eval_loss"),
+                                     lr=stats["lr"], grad_norm=stats["grad_norm"], elapsed=record["elapsed"])
             if (saves and step % saves == 0) or step == self.steps or self.stop:
-                self.save(step)
+                self.save(step, record.get("eval_loss"))
                 saved = step
             if self.stop:
                 self.say(f"interrupted: checkpoint of step {step} saved in {self.ckpts}")
-                return True
+                return
         if saved < self.steps and start < self.steps:
             self.save(self.steps)
-        return False
 
-    def finish(self, records: list[dict[str, Any]], interrupted: bool, tokenizer: Any,
-               eos: str) -> dict[str, Any]:
+    def check_weights(self, step: int) -> None:
+        """--debug-nans: the optimizer's update of step ``step`` left every weight finite."""
+        for name, value in self.model.parameters().items():
+            bad = value.size - int(np.isfinite(value).sum())
+            if bad:
+                raise TrainingError(f"non-finite weight {name!r} after the optimizer's update of step {step} "
+                                    f"({bad} of its {value.size} values; the loss and gradient norm were "
+                                    f"finite); {self.kept()}",
+                                    hint="lower optimizer.lr, or clip gradients with optimizer.max_grad_norm")
+
+    def finish(self, records: list[dict[str, Any]], tokenizer: Any, eos: str) -> dict[str, Any]:
         from kiln.hf import save_tokenizer
         from kiln.hf._plot import loss_curve
 
@@ -924,10 +1129,11 @@ class _Run:
         summary: dict[str, Any] = {
             "output_dir": self.dir, "tokenizer": self.dir / "tokenizer",
             "metrics": self.dir / "metrics.jsonl", "loss_curve": png,
-            "checkpoint": found[-1] if found else None, "interrupted": interrupted,
+            "checkpoint": found[-1] if found else None, "best_checkpoint": _checkpoint.best(found),
+            "interrupted": bool(self.stop), "signal": self.stop or None,
             "eval_loss_before": evals[0][1] if evals and evals[0][0] == 0 else None,
             "eval_loss_after": evals[-1][1] if evals else None, "losses": [v for _, v in train]}
-        if interrupted:
+        if self.stop:
             return summary
         if self.mode == "lora":
             out = summary["adapter"] = _replace_dir(self.dir / "adapter", self.model.save_pretrained)
@@ -954,8 +1160,10 @@ def train(config: TrainConfig | str | Path | Mapping[str, Any], *, resume: bool 
     the run had never stopped; ``debug_nans`` replays a step whose loss is not finite op by op and
     names the first op that produced a NaN or an infinity. Progress goes to ``stream`` (stdout).
     Returns a summary: ``output_dir``, ``model`` (or ``adapter``), ``tokenizer``, ``metrics``,
-    ``loss_curve``, ``checkpoint``, ``eval_loss_before``, ``eval_loss_after``, ``losses`` and
-    ``interrupted`` (Ctrl-C: a checkpoint was saved, and no model).
+    ``loss_curve``, ``checkpoint`` (the newest), ``best_checkpoint`` (the lowest eval loss),
+    ``eval_loss_before``, ``eval_loss_after``, ``losses``, ``interrupted`` and ``signal`` (SIGINT or
+    SIGTERM stopped the run after a step: a checkpoint was saved, and no model). A signal at start-up,
+    or a second one, raises :class:`Interrupted` at once.
     """
     if not isinstance(config, TrainConfig):
         config = load_train_config(config)
@@ -963,10 +1171,14 @@ def train(config: TrainConfig | str | Path | Mapping[str, Any], *, resume: bool 
 
 
 def run(args: Any) -> int:
-    """``kiln train``: 0 when the run ends, 130 when Ctrl-C stopped it (a checkpoint is saved)."""
+    """``kiln train``: 0 when the run ends, 128 + the signal's number when SIGINT (130) or SIGTERM (143)
+    stopped it; an error exits with its ``exit_code`` (``EXIT_*``, 2 by default)."""
     try:
         summary = train(args.config, resume=args.resume, debug_nans=args.debug_nans)
-    except KeyboardInterrupt:
-        print("\ninterrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
-        return 130
-    return 130 if summary["interrupted"] else 0
+    except Interrupted as e:
+        print(f"\n{e.message}", file=sys.stderr)
+        return e.exit_code
+    except DataError as e:
+        e.exit_code = EXIT_DATA  # type: ignore[attr-defined]
+        raise
+    return 128 + summary["signal"] if summary["signal"] else 0

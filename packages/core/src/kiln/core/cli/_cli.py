@@ -9,6 +9,7 @@ import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kiln.core._errors import KilnError, KilnWarning
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(_run=run)
         if configure is not None:
             configure(p)
+        p.add_argument("--traceback", action="store_true", help="show the Python traceback of an error")
     parser.add_argument("--version", action="version", version=_version_text())
     return parser
 
@@ -84,25 +86,42 @@ def _show_warning(show: Callable[..., None]) -> Callable[..., None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``kiln``; returns the exit code (2 for a ``KilnError``, printed without a traceback).
+    """Run ``kiln``; returns the exit code. A :class:`KilnError` is printed without a traceback (each
+    command's ``--traceback`` shows one) and exits with its ``exit_code`` attribute, 2 when it has none
+    (docs/training.md lists the codes); Ctrl-C outside a command that handles it exits 130.
 
     A plugin that fails is skipped with a ``kiln: warning: ...`` line; the rest of kiln works.
     """
     with warnings.catch_warnings():  # restores warnings.showwarning
         warnings.showwarning = _show_warning(warnings.showwarning)
+        show = env_flag("KILN_DEBUG")
         try:
             parser = _parser()
             try:
                 args = parser.parse_args(argv)
             except SystemExit as exc:  # --help, --version, usage errors
                 return int(exc.code or 0)
+            show = show or args.traceback
             run: Any = args._run
             return int(run(args) or 0)
         except KilnError as exc:
-            if env_flag("KILN_DEBUG"):
+            if show:
                 traceback.print_exc()
-            print(f"kiln: error: {exc}", file=sys.stderr)
-            return 2
+            print(f"kiln: error: {_without_kiln_source(str(exc))}", file=sys.stderr)
+            return int(getattr(exc, "exit_code", 2))
+        except KeyboardInterrupt:
+            print("\nkiln: interrupted", file=sys.stderr)
+            return 130
+
+
+def _without_kiln_source(text: str) -> str:
+    """``text`` without the ``at: FILE:LINE`` lines that point into kiln's own source (a user's model
+    file is kept): they say where kiln noticed the error, not where the user made it."""
+    import kiln
+
+    roots = tuple(str(Path(p)) for p in kiln.__path__)
+    return "\n".join(line for line in text.splitlines()
+                     if not (line.strip().startswith("at: ") and line.strip()[4:].startswith(roots)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,17 +131,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def configure_plan(p: argparse.ArgumentParser) -> None:
     from kiln.core.plan.recompute import MODES
 
-    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model), an IR Bundle .json file, or a "
-                                 "HF checkpoint folder (with kiln-hf)")
+    p.add_argument("model", help="a kiln-dsl model name (e.g. Qwen3Model), an IR Bundle .json file, or, with "
+                                 "kiln-hf, a HF checkpoint folder or a kiln train config (.toml)")
     p.add_argument("--config", default=None,
                    help="the model's config: a JSON object, or a .json file holding one (DSL models)")
-    p.add_argument("--mode", choices=("full", "lora"), default="full", help="training mode (default full)")
-    p.add_argument("--recompute", choices=MODES, default="dsl", help="recompute mode (default dsl)")
+    p.add_argument("--mode", choices=("full", "lora"), default=None,
+                   help="training mode (default full, or the train config's)")
+    p.add_argument("--recompute", choices=MODES, default=None,
+                   help="recompute mode (default dsl, or the train config's)")
     p.add_argument("--budget", default=None,
-                   help="auto budget, the saved activations allowed: bytes (123456, 64MiB) or a fraction "
-                        "of those without recompute (0.5, 50%%)")
-    p.add_argument("--batch", type=int, default=8, help="batch size B (default 8)")
-    p.add_argument("--seq", type=int, default=256, help="sequence length T (default 256)")
+                   help="with --recompute auto, the saved activations allowed: bytes (123456, 64MiB) or a "
+                        "fraction of those without recompute (0.5, 50%%)")
+    p.add_argument("--batch", type=_at_least_one, default=None,
+                   help="batch size B (default 8, or the train config's batch_size)")
+    p.add_argument("--seq", type=_at_least_one, default=None,
+                   help="sequence length T (default 256, or the train config's seq_len)")
     p.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[=OPTIONS]",
                    help="run a registered graph pass first (repeatable); OPTIONS is a JSON object, "
                         "e.g. --pass 'lora={\"r\": 8}'")
@@ -130,26 +153,47 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
                    help="print every auto plan: saved activations, planned peak and extra FLOPs")
 
 
-def _load_model(name: str, config: str | None) -> Any:
-    from pathlib import Path
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, found {value}")
+    return value
 
+
+#: what ``kiln plan`` plans when neither a flag nor a train config says otherwise
+PLAN_DEFAULTS: dict[str, Any] = {"mode": "full", "recompute": "dsl", "batch": 8, "seq": 256, "budget": None,
+                                 "passes": ()}
+
+
+def _kiln_hf(what: str) -> Any:
+    try:
+        return importlib.import_module("kiln.hf")
+    except ImportError:
+        raise KilnError(f"{what} needs kiln-hf, which is not installed", hint="pip install kiln-hf") from None
+
+
+def _load_model(name: str, config: str | None) -> tuple[Any, dict[str, Any]]:
+    """The IR ``kiln plan`` plans and the settings its source gives (a train config gives them all)."""
     from kiln.core.ir._ir import from_json
 
-    if Path(name).is_dir():  # a HF checkpoint folder: its config.json, through kiln-hf
-        try:
-            hf = importlib.import_module("kiln.hf")
-        except ImportError:
-            raise KilnError(f"{name!r} is a folder: planning a HF checkpoint needs kiln-hf, which is not "
-                            "installed", hint="pip install kiln-hf") from None
-        if config:
-            raise KilnError("--config applies to kiln-dsl model names; a checkpoint's config.json sets "
-                            "its model")
-        return hf.config_bundle(name)
-    if name.endswith(".json") or Path(name).is_file():
-        path = Path(name)
+    path = Path(name)
+    if config and (path.is_dir() or path.suffix == ".toml"):
+        raise KilnError("--config applies to kiln-dsl model names; "
+                        + ("a checkpoint's config.json" if path.is_dir() else "a train config's [model]")
+                        + " sets its model")
+    if path.is_dir():  # a HF checkpoint folder: its config.json, through kiln-hf
+        return _kiln_hf(f"{name!r} is a folder: planning a HF checkpoint").config_bundle(name), {}
+    if path.suffix == ".toml":  # a kiln train config: the model, shape and settings the run trains
+        config_of = _kiln_hf(f"{name!r}: planning a train config").load_train_config
+        bundle, settings = config_of(path).plan()
+        return bundle, settings
+    if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise KilnError(f"no such IR file: {name}")
-        return from_json(path.read_text(encoding="utf-8"))
+        return from_json(path.read_text(encoding="utf-8")), {}
     cfg: dict[str, Any] = {}
     if config:
         text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
@@ -163,7 +207,7 @@ def _load_model(name: str, config: str | None) -> Any:
         raise KilnError(f"--config: {key!r} is not a config key of {name}"
                         + (f" (did you mean {close!r}?)" if close else ""),
                         hint=f"{name} takes {', '.join(dsl.config_keys(name) or [])}")
-    return dsl.build_bundle(name, cfg)
+    return dsl.build_bundle(name, cfg), {}
 
 
 def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
@@ -186,29 +230,46 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
     return parsed
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    from kiln.core.plan._program import compile
+def _settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]:
+    """The plan's settings: the flags given, else the train config's, else ``PLAN_DEFAULTS``."""
     from kiln.core.plan.recompute import parse_budget
 
-    bundle = _load_model(args.model, args.config)
-    budget = None
+    s = {**PLAN_DEFAULTS, **given}
+    flags = {k: getattr(args, k) for k in ("mode", "recompute", "batch", "seq")}
+    s.update({k: v for k, v in flags.items() if v is not None})
     if args.budget is not None:
         try:
-            budget = parse_budget(args.budget)
+            s["budget"] = parse_budget(args.budget)
         except KilnError as e:
             raise KilnError(f"--budget {e.message}") from None
-    binds = {"B": args.batch, "T": args.seq}
-    prog = compile(bundle, bindings=binds, mode=args.mode, recompute=args.recompute, recompute_budget=budget,
-                   passes=[parse_pass(p) for p in args.passes])
+        if s["recompute"] != "auto":
+            raise KilnError(f"--budget {args.budget!r} applies only with --recompute auto (recompute is "
+                            f"{s['recompute']!r}): the other planners take no budget")
+    elif s["recompute"] != "auto":
+        s["budget"] = None  # a train config's budget, for the auto planner a flag replaced
+    s["passes"] = [*s["passes"], *(parse_pass(p) for p in args.passes)]
+    return s
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kiln.core.plan._program import compile
+
+    bundle, given = _load_model(args.model, args.config)
+    s = _settings(args, given)
+    binds = {"B": s["batch"], "T": s["seq"]}
+    options = {k: s[k] for k in ("backend", "optimizer") if k in s}
+    prog = compile(bundle, bindings=binds, mode=s["mode"], recompute=s["recompute"],
+                   recompute_budget=s["budget"], passes=s["passes"], **options)
     plan = prog.recompute
     print("passes:")
     for run in prog.passes:
         print(f"  {run.stage:<18} {run.name:<24} {run.seconds * 1e3:8.1f} ms")
     print()
-    print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={args.batch} T={args.seq}, "
+    print(f"{prog.name}: recompute={plan.mode!r}, {plan.training} training, B={s['batch']} T={s['seq']}, "
           f"planned by {plan.planner} in {plan.seconds * 1e3:.1f} ms")
     if not any(p.trainable for p in prog.params):
-        print(f"note: no parameter trains in {args.mode} mode (LoRA needs lora_* parameters)")
+        print(f"note: no parameter trains in {s['mode']} mode (LoRA adapters come from --pass lora, or a "
+              "train config in LoRA mode)")
     print()
     print(plan.table())
     print()
@@ -217,7 +278,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.pareto:
         report = prog.memory_report()
         fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
-        _print_pareto(bundle, binds, args.mode, fixed)
+        if s["passes"]:  # the auto plans of the model the passes made
+            from kiln.core.plan._passes import run_passes
+            from kiln.core.plan._program import _as_bundle
+            from kiln.core.plugins._session import get_registry
+
+            bundle = run_passes(_as_bundle(bundle, None), s["passes"], get_registry("graph_passes"))[0]
+        _print_pareto(bundle, binds, s["mode"], fixed)
     return 0
 
 
