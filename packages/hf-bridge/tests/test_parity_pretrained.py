@@ -243,3 +243,40 @@ def test_a_packed_sequence_equals_its_documents_unpacked(tmp_path: Path) -> None
     assert loss == pytest.approx(total.item(), rel=1e-5)
     for name, g in expected.items():
         assert_close(grads[name], g, name)
+
+
+ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "Qwen3ForCausalLM": "Qwen3Config",
+                "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+
+
+@pytest.mark.parametrize("arch", ARCH_CONFIGS)
+def test_kiln_defaults_are_the_transformers_config_defaults(arch: str) -> None:
+    from kiln.hf._pretrained import HF_DEFAULTS
+
+    theirs = getattr(transformers, ARCH_CONFIGS[arch])()
+    derived = {"num_key_value_heads": theirs.num_attention_heads,
+               "head_dim": theirs.hidden_size // theirs.num_attention_heads}
+    for key, ours in HF_DEFAULTS[arch].items():
+        value = getattr(theirs, key, None)
+        if ours is None and key in derived:  # transformers derives it, as kiln's models do
+            assert value in (None, derived[key]), key
+        else:
+            assert value == ours, key
+
+
+@pytest.mark.parametrize("case", ["llama-attention-bias", "qwen3-untied", "qwen3-moe-interleaved"])
+def test_a_config_without_its_default_keys_loads_as_transformers_reads_it(case: str,
+                                                                          tmp_path: Path) -> None:
+    make_checkpoint(case, tmp_path)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    defaults = getattr(transformers, CASES[case][0])().to_dict()
+    kept = {k: v for k, v in config.items()
+            if k in ("architectures", "model_type") or defaults.get(k, k) != v}
+    assert len(kept) < len(config)
+    config_file.write_text(json.dumps(kept))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids, _ = batch()
+    with torch.no_grad():
+        expected = hf(torch.tensor(ids)).logits.numpy()
+    assert_close(from_pretrained(tmp_path).logits(ids), expected, "logits")

@@ -40,9 +40,28 @@ CONFIG_NAME = "config.json"
 ROPE_PARAM = "rope_freqs"
 # transformers' attribute_map aliases: configs may hold a value under the other name
 _ALIASES = {"num_experts": "num_local_experts"}
-# transformers' defaults for config keys a config.json may omit, where the DSL model's default differs
-# and the shapes would not catch it (RoPE's theta is always passed, from rope_parameters)
-_HF_DEFAULTS = {"Qwen3MoeForCausalLM": {"norm_topk_prob": False}}
+_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False,
+                    "pad_token_id": None}
+#: transformers' defaults (its config classes') for every config key kiln reads: what a key a
+#: config.json omits means. None where transformers derives the value (``num_key_value_heads`` =
+#: ``num_attention_heads``, ``head_dim`` = ``hidden_size // num_attention_heads``), as the DSL models
+#: do; RoPE's theta (default 10000) comes from :func:`rope_parameters`.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {
+        **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": None, "intermediate_size": 11008,
+        "max_position_embeddings": 2048, "head_dim": None, "mlp_bias": False},
+    "Qwen3ForCausalLM": {
+        **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016,
+        "max_position_embeddings": 32768, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {
+        **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
+        "max_position_embeddings": 32768, "head_dim": None, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": []},
+}
 _ACTIVATIONS = ("silu", "swish")
 _SAVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -107,10 +126,11 @@ def _check(config: Mapping[str, Any], file: Path) -> None:
 
 def _dsl_config(config: Mapping[str, Any], arch: str, file: Path) -> tuple[dict[str, Any], bool]:
     """The config the DSL compiles, and whether RoPE needs a table (a scaled or partial RoPE)."""
-    out = {**_HF_DEFAULTS.get(arch, {}), **config}
+    given = dict(config)
     for name, alias in _ALIASES.items():
-        if out.get(name) is None and out.get(alias) is not None:
-            out[name] = out[alias]
+        if given.get(name) is None and given.get(alias) is not None:
+            given[name] = given[alias]
+    out = {**HF_DEFAULTS.get(arch, {}), **given}
     try:
         rope = rope_parameters(config)
     except HFConfigError as e:
