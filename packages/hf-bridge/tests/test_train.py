@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import struct
 import zlib
@@ -115,6 +116,8 @@ def test_a_run_writes_every_output(tmp_path: Path, corpus: Path) -> None:
     assert eos_id is not None
     assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == eos_id
     assert json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"] == eos_id
+    # the model's own positions (the documented default), not the training sequence length
+    assert json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] == 2048
     loaded = from_pretrained(model_dir)
     assert loaded.architecture == "Qwen3ForCausalLM"
     got = loaded.parameters()
@@ -391,3 +394,21 @@ def test_a_model_trained_from_scratch_generates_in_transformers(tmp_path: Path, 
     kiln_logits = from_pretrained(folder).logits(ids.numpy())
     with torch.no_grad():
         np.testing.assert_allclose(kiln_logits, model(ids).logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _efficiency(text: str) -> float:
+    found = re.search(r"(documents packed|one document per sequence): ([0-9.]+)% of the positions hold "
+                      r"tokens", text)
+    assert found, text
+    return float(found[2]) / 100
+
+
+def test_packing_is_on_by_default_and_reports_its_efficiency(tmp_path: Path, corpus: Path) -> None:
+    packed, single = io.StringIO(), io.StringIO()
+    data = {"separator": "\n\n"}
+    train(write_config(tmp_path / "a", corpus, train={"steps": 2}, data=data), stream=packed)
+    train(write_config(tmp_path / "b", corpus, train={"steps": 2}, data={**data, "packing": False}),
+          stream=single)
+    assert "documents packed" in packed.getvalue() and "one document per sequence" in single.getvalue()
+    assert _efficiency(single.getvalue()) < _efficiency(packed.getvalue())
+    assert _efficiency(packed.getvalue()) > 0.99

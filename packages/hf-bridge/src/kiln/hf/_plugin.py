@@ -15,6 +15,9 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="the run's TOML config (see docs/training.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the output folder (start if there is none)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="train on N data-parallel ranks started through the MPI launcher (needs kiln-dist); "
+                        "train.batch_size is the global batch, cut into N shards")
     p.add_argument("--debug-nans", action="store_true",
                    help="on a non-finite loss, name the first op that produced a non-finite value; check the "
                         "weights after every optimizer update")

@@ -43,6 +43,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "d_ff": 768, "moe_d_ff": 384},
 }
 _COMMON = {"tie_word_embeddings": True, "rope_theta": 10000.0, "num_experts": 4, "num_experts_per_tok": 2}
+#: the positions a from-scratch model declares (HF's max_position_embeddings) unless train.seq_len is longer
+MAX_SEQ = 2048
 #: keys a resumed run may change; any other change is refused
 _RESUMABLE = ("train.output_dir", "train.steps", "train.eval_every", "train.eval_batches",
               "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every")
@@ -146,6 +148,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tokenizer": Key("path"),
         "vocab_size": Key("int", 1024, check=_at_least(257)),
         "separator": Key("str", ""),
+        "packing": Key("bool", True),
         "validation_fraction": Key("float", 0.1, check=_within(0.0, 1.0, lo_open=True)),
         "seed": Key("int", 0, check=_at_least(0)),
     },
@@ -534,7 +537,7 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
                                key="model.config.max_seq", file=file)
     try:
         return build_bundle(model["name"], {**_COMMON, **PRESETS[model["size"]], "vocab_size": vocab,
-                                            "max_seq": seq, **given})
+                                            "max_seq": max(seq, MAX_SEQ), **given})
     except KilnError as e:
         raise TrainConfigError(f"model {model['name']!r} ({model['size']}) does not compile with this "
                                f"config: {e.message}", key="model.config", file=file,
@@ -810,11 +813,37 @@ def _check_utf8(file: Path) -> None:
             offset += len(chunk)
 
 
+def _data_parallel(config: TrainConfig) -> Any:
+    """kiln-dist's ``DataParallel`` when this process is one of several MPI ranks, else None."""
+    try:
+        from kiln.dist import DataParallel, launched
+    except ImportError:
+        return None
+    if not launched():
+        return None
+    dp = DataParallel("mpi")
+    world = dp.communicator.world_size
+    if world == 1:
+        return None
+    if config["train"]["batch_size"] % world:
+        raise TrainConfigError(f"{config['train']['batch_size']} is not a multiple of the {world} "
+                               "data-parallel ranks: each rank trains an equal share of the global batch",
+                               key="train.batch_size", file=config.file)
+    return dp
+
+
 class _Run:
     def __init__(self, config: TrainConfig, *, resume: bool, debug_nans: bool, stream: TextIO) -> None:
         self.c, self.resume, self.debug_nans, self.stream = config, resume, debug_nans, stream
         train = config["train"]
-        self.dir = Path(train["output_dir"])
+        self.dp = _data_parallel(config)
+        self.rank = 0 if self.dp is None else self.dp.communicator.rank
+        # rank 0 writes the run folder and the output; rank r keeps its own (its checkpoints hold its
+        # optimizer state) in output_dir/ranks/r, and prints nothing
+        out = Path(train["output_dir"])
+        self.dir = out / "ranks" / str(self.rank) if self.rank else out
+        if self.rank:
+            self.stream = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the run)
         self.ckpts = self.dir / "checkpoints"
         self.steps, self.mode = train["steps"], train["mode"]
         self.progress: Progress | None = None
@@ -863,7 +892,7 @@ class _Run:
                                 batch_size=t["batch_size"] * t["grad_accum_steps"],
                                 eos_token=eos, separator=data["separator"] or None, seed=data["seed"],
                                 validation_fraction=data["validation_fraction"], drop_last=True,
-                                cache_dir=self.dir / "cache")
+                                cache_dir=self.dir / "cache", packing=data["packing"])
         if len(self.ds) == 0:
             raise DataError(f"the data holds {self.ds.num_sequences} training sequences of "
                             f"{t['seq_len']} tokens, fewer than one step's "
@@ -871,9 +900,11 @@ class _Run:
                             "train.grad_accum_steps)",
                             hint="add text to data.files, or lower train.batch_size, grad_accum_steps or "
                                  "seq_len")
+        how = "documents packed" if data["packing"] else "one document per sequence"
         self.say(f"data: {len(self.ds.tokens):,} tokens in {len(data['files'])} file(s), "
                  f"{self.ds.num_sequences:,} training sequences of {t['seq_len']} ({len(self.ds):,} "
-                 f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out")
+                 f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out; "
+                 f"{how}: {self.ds.efficiency:.1%} of the positions hold tokens")
 
     def build_model(self, vocab_size: int) -> Any:
         from kiln.core import Model
@@ -882,6 +913,8 @@ class _Run:
         optimizer = _optimizer(self.c, self.steps)
         options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
                    "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
+        if self.dp is not None:
+            options["data_parallel"] = self.dp
         if m["checkpoint"] is not None:
             from kiln.hf import from_pretrained
 
@@ -980,8 +1013,9 @@ class _Run:
         for i, batch in enumerate(val):
             if i == self.c["train"]["eval_batches"]:
                 break
-            n = int(np.count_nonzero(batch["labels"] != -100))
-            total += self.model.loss(batch["input_ids"], batch["labels"]) * n
+            n = int(np.count_nonzero(batch["labels"] != self.model.ignore_index))
+            ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+            total += self.model.loss(ids, labels, position_ids=positions) * n
             count += n
         return total / max(count, 1)
 
@@ -1098,6 +1132,10 @@ class _Run:
             if self.progress is not None:
                 self.progress.update(step, stats["loss"], stats["tokens"], record.get("eval_loss"),
                                      lr=stats["lr"], grad_norm=stats["grad_norm"], elapsed=record["elapsed"])
+            if self.dp is not None:  # a signal stops every rank after the same step
+                flag = np.array([float(self.stop)])
+                self.dp.communicator.all_reduce(flag)
+                self.stop = self.stop or (signal.SIGTERM if flag[0] else 0)
             if (saves and step % saves == 0) or step == self.steps or self.stop:
                 self.save(step, record.get("eval_loss"))
                 saved = step
@@ -1170,9 +1208,35 @@ def train(config: TrainConfig | str | Path | Mapping[str, Any], *, resume: bool 
     return _Run(config, resume=resume, debug_nans=debug_nans, stream=stream or sys.stdout).run()
 
 
+def launch(args: Any) -> int:
+    """``kiln train --nproc N``: the same command as N data-parallel ranks through kiln-dist's MPI
+    launcher, each with its share of the cores; the exit status is the launcher's."""
+    if isinstance(args.nproc, bool) or not isinstance(args.nproc, int) or args.nproc < 1:
+        raise KilnError(f"--nproc {args.nproc}: expected a number of ranks >= 1")
+    config = load_train_config(args.config)  # a bad config is reported once, before any rank starts
+    if config["train"]["batch_size"] % args.nproc:
+        raise TrainConfigError(f"{config['train']['batch_size']} is not a multiple of --nproc {args.nproc}: "
+                               "each rank trains an equal share of the global batch", key="train.batch_size",
+                               file=config.file)
+    try:
+        from kiln.dist import launch as start_ranks
+        from kiln.dist import launched
+    except ImportError:
+        raise KilnError("--nproc needs kiln-dist, which is not installed",
+                        hint="pip install kiln-dist") from None
+    if launched():
+        raise KilnError("--nproc starts the ranks itself; under mpiexec or srun leave it out")
+    argv = ["-m", "kiln.core", "train", str(args.config), *(["--resume"] if args.resume else []),
+            *(["--debug-nans"] if args.debug_nans else [])]
+    threads = max(1, (os.cpu_count() or 1) // args.nproc)
+    return start_ranks(args.nproc, argv, env={"KILN_NUM_THREADS": str(threads)})
+
+
 def run(args: Any) -> int:
     """``kiln train``: 0 when the run ends, 128 + the signal's number when SIGINT (130) or SIGTERM (143)
     stopped it; an error exits with its ``exit_code`` (``EXIT_*``, 2 by default)."""
+    if getattr(args, "nproc", 1) != 1:
+        return launch(args)
     try:
         summary = train(args.config, resume=args.resume, debug_nans=args.debug_nans)
     except Interrupted as e:

@@ -1,0 +1,86 @@
+"""``kiln train --nproc 2`` (kiln-hf's trainer on two MPI ranks) against the same run in one process:
+the same losses, eval losses and saved model, to float32 rounding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("kiln.hf", reason="kiln train is kiln-hf's")
+pytest.importorskip("kiln.dsl", reason="kiln train builds its model with kiln-dsl")
+
+from kiln.hf import save_tokenizer, train_bpe_tokenizer
+
+
+def write_run(folder: Path, name: str, batch_size: int = 4) -> Path:
+    from pydoc_data.topics import topics
+
+    text = folder / "text.txt"
+    if not text.exists():
+        text.write_text("\n\n".join(topics[k] for k in sorted(topics))[:40_000], encoding="utf-8")
+        save_tokenizer(train_bpe_tokenizer([text], 300), folder / "tokenizer")
+    config = folder / f"{name}.toml"
+    config.write_text(f"""[model]
+name = "Qwen3Model"
+size = "tiny"
+config = {{ n_layers = 1, d_model = 32, num_query_heads = 2, num_kv_heads = 1, head_size = 16, d_ff = 64 }}
+[data]
+files = ["text.txt"]
+tokenizer = "tokenizer"
+separator = "\\n\\n"
+[train]
+output_dir = "out-{name}"
+steps = 4
+batch_size = {batch_size}
+seq_len = 16
+eval_every = 2
+eval_batches = 2
+checkpoint_every = 2
+recompute = "none"
+""")
+    return config
+
+
+def kiln(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kiln.core", "train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "KILN_NUM_THREADS": "1"})
+
+
+def records(folder: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_train_as_one_process(tmp_path: Path) -> None:
+    one, two = write_run(tmp_path, "one"), write_run(tmp_path, "two")
+    assert kiln(str(one), cwd=tmp_path).returncode == 0
+    done = kiln(str(two), "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("data:") == 1  # rank 0 alone prints
+    a, b = records(tmp_path / "out-one"), records(tmp_path / "out-two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        for key in ("loss", "eval_loss", "grad_norm"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key)
+    # rank 1 keeps its own checkpoints (its optimizer state) beside rank 0's run folder
+    assert (tmp_path / "out-two" / "ranks" / "1" / "checkpoints").is_dir()
+    import safetensors.numpy
+
+    w1 = safetensors.numpy.load_file(str(tmp_path / "out-one" / "model" / "model.safetensors"))
+    w2 = safetensors.numpy.load_file(str(tmp_path / "out-two" / "model" / "model.safetensors"))
+    for k, v in w1.items():
+        np.testing.assert_allclose(w2[k], v, rtol=1e-4, atol=1e-6 * float(np.abs(v).max()), err_msg=k)
+
+
+def test_a_batch_the_ranks_cannot_share_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    config = write_run(tmp_path, "odd", batch_size=3)
+    done = kiln(str(config), "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "train.batch_size" in done.stderr and "--nproc 2" in done.stderr
+    assert not (tmp_path / "out-odd").exists()
