@@ -162,3 +162,17 @@ def test_a_model_without_segment_ids_refuses_masks_it_cannot_apply() -> None:
         model.logits(ids, attention_mask=np.array([[0, 1, 1, 1], [1, 1, 1, 1]]))
     with pytest.raises(KilnError, match="position_ids input is \\[seq\\], shared by the batch"):
         model.logits(ids, position_ids=np.array([[0, 1, 2, 3], [1, 2, 3, 4]]))
+
+
+def test_the_ignore_index_pass_moves_the_label_the_losses_ignore() -> None:
+    ids, labels = np.array([[1, 2, 3, 4]]), np.array([[2, 3, 4, -100]])
+    plain = Model(tiny_qwen3_bundle(), seed=0, dtype="float64")
+    moved = Model(tiny_qwen3_bundle(), seed=0, dtype="float64", passes=[("ignore_index", {"value": 31})])
+    assert (plain.ignore_index, moved.ignore_index) == (-100, 31)
+    loss, grads = plain.loss_and_grads(ids, labels)
+    loss2, grads2 = moved.loss_and_grads(ids, np.where(labels == -100, 31, labels))
+    assert loss2 == loss and all(np.array_equal(grads2[k], g) for k, g in grads.items())
+    with pytest.raises(KilnError, match="index -100 is outside"):  # -100 is a label like any other now
+        moved.loss(ids, labels)
+    with pytest.raises(KilnError, match=r"graph pass 'ignore_index' takes \{'value': int\}"):
+        Model(tiny_qwen3_bundle(), passes=[("ignore_index", {"value": "x"})])

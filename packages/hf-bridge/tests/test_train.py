@@ -412,3 +412,11 @@ def test_packing_is_on_by_default_and_reports_its_efficiency(tmp_path: Path, cor
     assert "documents packed" in packed.getvalue() and "one document per sequence" in single.getvalue()
     assert _efficiency(single.getvalue()) < _efficiency(packed.getvalue())
     assert _efficiency(packed.getvalue()) > 0.99
+
+
+def test_another_ignore_index_trains_the_same(tmp_path: Path, corpus: Path) -> None:
+    # the data's padding and document ends carry the label, and the model's losses ignore it
+    base = train(write_config(tmp_path / "a", corpus, train={"steps": 3}), stream=io.StringIO())
+    moved = train(write_config(tmp_path / "b", corpus, train={"steps": 3}, data={"ignore_index": -1}),
+                  stream=io.StringIO())
+    assert moved["losses"] == base["losses"] and moved["eval_loss_after"] == base["eval_loss_after"]

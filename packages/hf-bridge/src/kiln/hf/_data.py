@@ -115,7 +115,8 @@ class PackedDataset:
 
     Iterating yields the rest of the current epoch; each epoch is shuffled by ``seed`` and its number.
     The last ``validation_fraction`` of the sequences is held out: :meth:`validation` gives the same
-    dataset over them. :meth:`state` and :meth:`load_state` save and restore the position. Token ids
+    dataset over them. Labels of positions nothing is predicted at are ``ignore_index``. :meth:`state`
+    and :meth:`load_state` save and restore the position. Token ids
     are cached in ``cache_dir`` (keyed by the files, their sizes and times, and the tokenizer), or in a
     temporary folder removed with the dataset. Tokenizing holds a few ``chunk_chars`` of text and its
     ids in memory at a time, whatever the size of the files.
@@ -125,7 +126,7 @@ class PackedDataset:
                  seq_len: int, batch_size: int, eos_token: str = EOS_TOKEN, separator: str | None = None,
                  seed: int = 0, shuffle: bool = True, validation_fraction: float = 0.0,
                  drop_last: bool = False, cache_dir: str | Path | None = None,
-                 chunk_chars: int = 1 << 18, packing: bool = True) -> None:
+                 chunk_chars: int = 1 << 18, packing: bool = True, ignore_index: int = IGNORE_INDEX) -> None:
         paths = [Path(files)] if isinstance(files, str | Path) else [Path(f) for f in files]
         for p in paths:
             if not p.is_file():
@@ -142,6 +143,7 @@ class PackedDataset:
             raise DataError(f"validation_fraction must be in [0, 1), found {validation_fraction!r}")
         self.files, self.seq_len, self.batch_size, self.eos_id = paths, seq_len, batch_size, eos
         self.seed, self.shuffle, self.drop_last, self.packing = seed, shuffle, drop_last, packing
+        self.ignore_index = ignore_index
         self.validation_fraction = validation_fraction
         self.split: Literal["train", "validation"] = "train"
 
@@ -265,7 +267,8 @@ class PackedDataset:
 
     def _fingerprint(self) -> str:
         settings = [self._key, self.seq_len, self.batch_size, self.seed, self.shuffle, self.drop_last,
-                    self.validation_fraction, self.split, *([] if self.packing else ["unpacked"])]
+                    self.validation_fraction, self.split, *([] if self.packing else ["unpacked"]),
+                    *([] if self.ignore_index == IGNORE_INDEX else [self.ignore_index])]
         return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -286,7 +289,7 @@ class PackedDataset:
     def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         t = self.seq_len
         input_ids = np.full((len(rows), t), self.eos_id, np.int64)
-        labels = np.full((len(rows), t), IGNORE_INDEX, np.int64)
+        labels = np.full((len(rows), t), self.ignore_index, np.int64)
         for row, i in enumerate(rows):
             start, pairs = self._piece(i)
             seg = self.tokens[start: start + pairs + 1]
@@ -296,7 +299,7 @@ class PackedDataset:
             return {"input_ids": input_ids, "labels": labels}
         # a document starts after each EOS: its positions restart, and the EOS predicts nothing
         ends = input_ids == self.eos_id
-        labels[ends] = IGNORE_INDEX
+        labels[ends] = self.ignore_index
         index = np.arange(t)
         starts = np.zeros_like(ends)
         starts[:, 1:] = ends[:, :-1]

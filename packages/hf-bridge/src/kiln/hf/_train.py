@@ -30,6 +30,7 @@ import numpy as np
 
 from kiln.core import KilnError
 from kiln.hf import _checkpoint
+from kiln.hf._data import IGNORE_INDEX
 from kiln.hf._errors import DataError
 from kiln.hf._progress import Progress, duration
 
@@ -149,6 +150,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "vocab_size": Key("int", 1024, check=_at_least(257)),
         "separator": Key("str", ""),
         "packing": Key("bool", True),
+        "ignore_index": Key("int", IGNORE_INDEX),
         "validation_fraction": Key("float", 0.1, check=_within(0.0, 1.0, lo_open=True)),
         "seed": Key("int", 0, check=_at_least(0)),
     },
@@ -687,7 +689,7 @@ def replay_step(model: Any, batch: Mapping[str, Any], parameters: Mapping[str, n
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
     prog, registry = model.program(*ids.shape), op_registry()
     tensors, env = prog.tensors, dict(parameters)
-    mask = (labels != -100).astype(np.float64)
+    mask = (labels != model.ignore_index).astype(np.float64)
     positions = batch.get("position_ids", np.arange(ids.shape[1]))
     feeds = {"token_ids": ids, "targets": labels, "position_ids": positions,
              "segment_ids": segment_ids(batch.get("attention_mask"), batch.get("position_ids"), ids.shape),
@@ -892,7 +894,8 @@ class _Run:
                                 batch_size=t["batch_size"] * t["grad_accum_steps"],
                                 eos_token=eos, separator=data["separator"] or None, seed=data["seed"],
                                 validation_fraction=data["validation_fraction"], drop_last=True,
-                                cache_dir=self.dir / "cache", packing=data["packing"])
+                                cache_dir=self.dir / "cache", packing=data["packing"],
+                                ignore_index=data["ignore_index"])
         if len(self.ds) == 0:
             raise DataError(f"the data holds {self.ds.num_sequences} training sequences of "
                             f"{t['seq_len']} tokens, fewer than one step's "
@@ -913,6 +916,8 @@ class _Run:
         optimizer = _optimizer(self.c, self.steps)
         options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
                    "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
+        if self.c["data"]["ignore_index"] != IGNORE_INDEX:  # the losses ignore the data's label
+            options["passes"] = [("ignore_index", {"value": self.c["data"]["ignore_index"]})]
         if self.dp is not None:
             options["data_parallel"] = self.dp
         if m["checkpoint"] is not None:

@@ -56,7 +56,7 @@ class PeftModel(Model):
         self._names = {kiln: peft for s in self.sites for kiln, peft, _ in s.tensors()}
         options = {"dtype": model.dtype, "optimizer": model.optimizer, "backend": model.backend_name,
                    "recompute": model.recompute, "recompute_budget": model.recompute_budget,
-                   "data_parallel": model.data_parallel, **options}
+                   "data_parallel": model.data_parallel, "passes": model.passes, **options}
         super().__init__(bundle, seed=seed, mode="lora", init=None, **options)
         self.set_parameters(model.parameters())
         self._draw_adapters(seed)

@@ -1,4 +1,5 @@
-"""kiln-core's optimizers, contributed through ``kiln_register_optimizers``."""
+"""kiln-core's optimizers and graph passes, contributed through ``kiln_register_optimizers`` and
+``kiln_register_graph_passes``."""
 
 from __future__ import annotations
 
@@ -13,3 +14,11 @@ def kiln_register_optimizers(registry: Any) -> None:
 
     registry.register("adamw", AdamW)
     registry.register("sgd", SGD)
+
+
+@hookimpl
+def kiln_register_graph_passes(registry: Any) -> None:
+    from kiln.core.plan._passes import GraphPass, ignore_index_pass
+
+    registry.register("ignore_index", GraphPass("ignore_index", ignore_index_pass,
+                                                doc="the label the losses ignore: {'value': int}"))

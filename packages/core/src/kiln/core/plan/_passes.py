@@ -19,7 +19,7 @@ import attrs
 from kiln.core._errors import KilnError
 from kiln.core.ir._ir import Bundle
 
-__all__ = ["GRAPH_STAGES", "PLUGIN_STAGES", "GraphPass", "PassRun", "run_passes"]
+__all__ = ["GRAPH_STAGES", "PLUGIN_STAGES", "GraphPass", "PassRun", "ignore_index_pass", "run_passes"]
 
 GRAPH_STAGES = ("adapt", "shard", "autodiff", "recompute", "schedule", "memory")
 #: the stages whose passes come from plugins (the others are kiln's own)
@@ -62,6 +62,29 @@ def _lookup(registry: Any, spec: PassSpec) -> tuple[GraphPass, Mapping[str, Any]
         raise KilnError(f"graph pass {name!r} is a {type(entry).__name__}, "
                         "neither a GraphPass nor a function")
     return GraphPass(name, entry), options
+
+
+def ignore_index_pass(bundle: Bundle, options: Mapping[str, Any]) -> Bundle:
+    """``("ignore_index", {"value": v})``: every op of the bundle with an ``ignore_index`` attribute
+    (the losses; -100 by default, as transformers) ignores the label ``v`` instead."""
+    from kiln.core.ops.library import op_registry
+
+    value = options.get("value")
+    if set(options) != {"value"} or isinstance(value, bool) or not isinstance(value, int):
+        raise KilnError(f"graph pass 'ignore_index' takes {{'value': int}}, found {dict(options)!r}")
+    registry = op_registry()
+
+    def takes(op_type: str) -> bool:
+        return op_type in registry and any(a.name == "ignore_index" for a in registry.get_op(op_type).attrs)
+
+    modules = []
+    for m in bundle.modules:
+        if m.forward is not None and any(takes(op.type) for op in m.forward.ops):
+            ops = tuple(op.evolve(attrs={**op.attrs, "ignore_index": value}) if takes(op.type) else op
+                        for op in m.forward.ops)
+            m = m.evolve(forward=m.forward.evolve(ops=ops))
+        modules.append(m)
+    return bundle.evolve(modules=tuple(modules))
 
 
 def run_passes(bundle: Bundle, passes: Sequence[PassSpec], registry: Any) -> tuple[Bundle, list[PassRun]]:
