@@ -389,3 +389,25 @@ def test_a_models_single_output_is_named_loss(cls: type) -> None:
         assert [p.name for p in lm.params] == ["embedding", "head.weight"]
     runtime = Model.from_ir(bundle, dtype="float64")
     assert np.isfinite(runtime.loss(*_batch(11)))
+
+
+@pytest.mark.parametrize(("config", "culprit", "expected"), [
+    ({"d_model": "16"}, "d_model", "int"), ({"use_qk_norm": 1}, "use_qk_norm", "bool"),
+    ({"mlp_only_layers": [0, "1"]}, "mlp_only_layers", "list or None"), ({"eps": "1e-6"}, "eps", "float"),
+])
+def test_a_config_value_of_the_wrong_type_is_e012_naming_it(config: dict[str, Any], culprit: str,
+                                                          expected: str) -> None:
+    from kiln.dsl import config_type_errors
+
+    name = "Qwen3MoEModel"
+    (err,) = compile_model(name, {**TINY, **config})["errors"]
+    assert err["code"] == "E012" and f"config value {culprit} of {name}: expected {expected}" in err["message"]
+    assert [(k, e) for k, _, e in config_type_errors(name, {**TINY, **config})] == [(culprit, expected)]
+
+
+def test_config_values_of_the_annotated_types_pass() -> None:
+    from kiln.dsl import config_type_errors
+
+    fine = {**TINY, "rope_theta": 10000, "head_size": None, "mlp_only_layers": [0], "norm_topk_prob": True}
+    assert config_type_errors("Qwen3MoEModel", fine) == []
+    assert compile_model("Qwen3MoEModel", fine)["success"]

@@ -58,7 +58,7 @@ def checkpoint_folder(folder: Path, corpus: Path) -> Path:
     ({"train": {"memory_budget": "50%"}}, "train.memory_budget", ['recompute = "auto"', "'none'"]),
     ({"train": {"keep_best": -1}}, "train.keep_best", [">= 0, found -1"]),
     ({"model": {"name": "Qwen3Model", "config": {**TINY, "d_model": "16"}}}, "model.config.d_model",
-     ["expected an int, found str '16'"]),
+     ["expected int, found str '16'"]),
 ], ids=["seq-len", "batch", "budget-without-auto", "keep-best", "model-config-type"])
 def test_bad_config_values_exit_2_naming_key_and_value(tmp_path: Path, corpus: Path, keys: dict[str, Any],
                                                        culprit: str, words: list[str],

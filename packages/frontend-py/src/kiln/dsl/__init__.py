@@ -14,6 +14,7 @@ from kiln.dsl._compiler import (
     compile_model,
     compile_model_for_hf,
     config_keys,
+    config_type_errors,
     unknown_config_keys,
 )
 from kiln.dsl._decorators import (
@@ -75,6 +76,7 @@ __all__ = [
     "compile_model",
     "compile_model_for_hf",
     "config_keys",
+    "config_type_errors",
     "extends",
     "forward",
     "fuse",

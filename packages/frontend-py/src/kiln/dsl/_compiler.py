@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -139,6 +140,14 @@ class _Compiler:
                 "E012",
                 f"{cls.__name__} needs config value(s) for {', '.join(missing)}",
                 "add them to the config passed to compile_model",
+                where,
+            )
+        for key, value, expected in config_type_errors(cls, kwargs):
+            raise error(
+                "E012",
+                f"config value {key} of {cls.__name__}: expected {expected}, found {type(value).__name__} "
+                f"{value!r}",
+                f"give {key} as {expected}",
                 where,
             )
         try:
@@ -1342,6 +1351,45 @@ def config_keys(name_or_class: Any) -> list[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON config value fits a constructor annotation (what is not a plain type fits)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if (origin or hint) in (list, tuple):
+        return isinstance(value, list | tuple) and (not args or all(_fits(v, args[0]) for v in value))
+    if (origin or hint) is dict:
+        return isinstance(value, Mapping)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def config_type_errors(name_or_class: Any, config: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    """``(key, value, expected type)`` for each value of ``config`` that does not fit the type the
+    model's constructor annotates it with."""
+    init = _resolve(name_or_class).__init__
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # annotations that do not evaluate: nothing to check against
+        return []
+    return [(k, v, _type_name(hints[k])) for k, v in config.items() if k in hints and not _fits(v, hints[k])]
 
 
 def unknown_config_keys(name_or_class: Any, config: Mapping[str, Any]) -> list[tuple[str, str | None]]:

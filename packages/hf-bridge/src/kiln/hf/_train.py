@@ -518,18 +518,16 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
 
     model, seq, file = config["model"], config["train"]["seq_len"], config.file
     given = dict(model["config"])
-    from kiln.dsl import config_keys, unknown_config_keys
+    from kiln.dsl import config_keys, config_type_errors, unknown_config_keys
 
     for key, close in unknown_config_keys(model["name"], given):
         takes = ", ".join(config_keys(model["name"]) or [])
         raise TrainConfigError(f"is not a config key of {model['name']}"
                                + (f" (did you mean {close!r}?)" if close else ""), key=f"model.config.{key}",
                                file=file, hint=f"{model['name']} takes {takes}")
-    defaults = _constructor_defaults(model["name"])
-    for key, value in given.items():  # of the kind of the constructor's default, where it has one
-        kind = _DEFAULT_KINDS.get(type(defaults.get(key)))
-        if kind is not None:
-            _value(f"model.config.{key}", Key(kind), value, config.root, file)
+    for key, value, expected in config_type_errors(model["name"], given):
+        raise TrainConfigError(f"expected {expected}, found {type(value).__name__} {value!r}",
+                               key=f"model.config.{key}", file=file)
     vocab = vocab_size or config["data"]["vocab_size"]
     if vocab_size is not None and given.get("vocab_size", vocab) < vocab:
         raise TrainConfigError(f"{given['vocab_size']} is below the tokenizer's {vocab} tokens",
@@ -544,19 +542,6 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
         raise TrainConfigError(f"model {model['name']!r} ({model['size']}) does not compile with this "
                                f"config: {e.message}", key="model.config", file=file,
                                hint="; ".join(str(d) for d in e.diagnostics) or e.hint) from None
-
-
-_DEFAULT_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
-
-
-def _constructor_defaults(name: str) -> dict[str, Any]:
-    """The defaults of a DSL model's constructor arguments."""
-    import inspect
-
-    from kiln.dsl import get_model_spec
-
-    params = inspect.signature(get_model_spec(name).cls.__init__).parameters
-    return {k: p.default for k, p in params.items() if p.default is not p.empty}
 
 
 def hf_config_of(bundle: Any) -> dict[str, Any]:
