@@ -76,7 +76,10 @@ class MpiCommunicator:
         if self._comm is None:
             from mpi4py import MPI
 
+            from kiln.dist._launch import note_rank
+
             self._comm = MPI.COMM_WORLD
+            note_rank(int(self._comm.Get_rank()))
         return self._comm
 
     @property

@@ -4,11 +4,15 @@ beside the Python interpreter)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from kiln.core import KilnError
 
@@ -17,6 +21,16 @@ __all__ = ["launch", "launched", "launcher"]
 #: set in every rank by the launchers of MPICH (Hydra), PMIx-based ones (Open MPI, Slurm's srun
 #: --mpi=pmix) and Open MPI
 RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+#: the folder where the ranks :func:`launch` starts note their process ids (see :func:`note_rank`)
+RANK_DIR = "KILN_RANK_DIR"
+
+
+def note_rank(rank: int) -> None:
+    """In a rank :func:`launch` started: record this process's id under its rank, so that the launcher
+    can name the rank of a process that died."""
+    folder = os.environ.get(RANK_DIR)
+    if folder:
+        Path(folder, str(os.getpid())).write_text(str(rank))
 
 
 def launcher() -> str:
@@ -39,5 +53,28 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
     status is the launcher's (non-zero when a rank failed). ``env``: variables added for the ranks."""
     if not isinstance(nproc, int) or nproc < 1:
         raise KilnError(f"nproc={nproc!r}: expected a positive number of ranks")
-    return subprocess.call([launcher(), "-n", str(nproc), sys.executable, *argv],
-                           env={**os.environ, **(env or {})})
+    with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as ranks:
+        proc = subprocess.Popen([launcher(), "-n", str(nproc), sys.executable, *argv], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, **(env or {}), RANK_DIR: ranks})
+        dead: list[str] = []  # the launcher reports a dead rank by its pid (MPICH: on stdout)
+
+        def forward(source: Any, sink: Any) -> None:
+            for line in source:  # passed on as it comes
+                sink.write(line)
+                sink.flush()
+                dead.extend(re.findall(r"^=\s+PID (\d+) RUNNING AT", line))
+
+        threads = [threading.Thread(target=forward, args=pair, daemon=True)
+                   for pair in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for t in threads:
+            t.start()
+        status = proc.wait()
+        for t in threads:
+            t.join()
+        for pid in dict.fromkeys(dead):
+            noted = Path(ranks, pid)
+            rank = noted.read_text() if noted.exists() else "?"
+            print(f"kiln: rank {rank} (pid {pid}) ended abnormally; the launcher stopped the other ranks",
+                  file=sys.stderr, flush=True)
+        return status

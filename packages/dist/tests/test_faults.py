@@ -1,0 +1,36 @@
+"""A rank killed with SIGKILL: the launcher stops the others within seconds, exits non-zero, and
+kiln's launch names the rank that died."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kiln.dist import launch
+
+HERE = Path(__file__).parent
+
+
+def test_a_killed_rank_stops_the_run_and_is_named(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    def kill_rank_1() -> None:
+        pid_file = tmp_path / "rank1.pid"
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text():
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_rank_1)
+    killer.start()
+    start = time.monotonic()
+    status = launch(2, [str(HERE / "_hang.py"), str(tmp_path)], env={"KILN_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    killer.join()
+    assert status != 0 and elapsed < 60
+    err = capfd.readouterr().err
+    assert "kiln: rank 1 (pid " in err and "ended abnormally" in err, err
