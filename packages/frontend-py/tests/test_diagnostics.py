@@ -95,6 +95,21 @@ def test_e001_forward_that_fails_while_capturing() -> None:
     assert "AttributeError" in d["message"]
 
 
+def test_e016_a_tensor_as_a_python_condition() -> None:
+    @module
+    class Branchy:
+        @forward
+        def forward(self, x: Tensor[3, F]) -> Tensor[3, F]:
+            with graph() as g:
+                y = g.relu(x)
+                if y:  # <E016>
+                    return g.relu(y)
+                return y
+
+    d = check(compile_model(Branchy, {}), "E016", "E016")
+    assert "used as a Python condition" in d["message"] and "one branch" in d["message"]
+
+
 def test_e002_unknown_tensor_and_unknown_model() -> None:
     @module
     class Unknown:

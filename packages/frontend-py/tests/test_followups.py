@@ -401,7 +401,8 @@ def test_a_config_value_of_the_wrong_type_is_e012_naming_it(config: dict[str, An
 
     name = "Qwen3MoEModel"
     (err,) = compile_model(name, {**TINY, **config})["errors"]
-    assert err["code"] == "E012" and f"config value {culprit} of {name}: expected {expected}" in err["message"]
+    assert err["code"] == "E012"
+    assert f"config value {culprit} of {name}: expected {expected}" in err["message"]
     assert [(k, e) for k, _, e in config_type_errors(name, {**TINY, **config})] == [(culprit, expected)]
 
 

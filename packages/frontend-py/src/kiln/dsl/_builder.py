@@ -75,6 +75,18 @@ class GraphRef:
     def __repr__(self) -> str:
         return f"GraphRef({self.name!r}, {self.type})"
 
+    def __bool__(self) -> bool:
+        """A tensor has no value while the graph is built: ``if``, ``and``, ``or`` and ``not`` on it
+        would silently build one branch (E016)."""
+        raise error(
+            "E016",
+            f"tensor {self.name!r} used as a Python condition (if, and, or, not): its value is not known "
+            "while the graph is built, so only one branch would be compiled",
+            "guard on a config value or attribute (e.g. `if self.use_bias:`), a dimension known at compile "
+            "time, or compute both and select with ops",
+            user_location(),
+        )
+
 
 class _State:
     """What all builders of one module compilation share: ops, names, save lists."""
@@ -261,7 +273,8 @@ class GraphBuilder:
         }
         try:
             resolved = opdef.resolve_attrs(clean)
-            types = list(opdef.infer(InferContext(op_type, [r.type if r else None for r in refs], resolved)))
+            in_types = [r.type if r is not None else None for r in refs]
+            types = list(opdef.infer(InferContext(op_type, in_types, resolved)))
         except KilnError as exc:
             found = ", ".join(str(r.type) if r is not None else "_" for r in refs)
             raise error(

@@ -1245,7 +1245,7 @@ class _Compiler:
                 raise error(
                     "E004",
                     f"call({name!r}): input {arg!r} of {spec.name} must be "
-                    f"[{', '.join(map(str, want))}], found {ref.type if ref else None}",
+                    f"[{', '.join(map(str, want))}], found {ref.type if ref is not None else None}",
                     "pass a tensor of the annotated shape (pass Dims to the submodule's constructor "
                     "to tie its dimensions to yours)",
                     loc,
