@@ -35,7 +35,7 @@ def _cc() -> str:
 
 
 def _host(libdir: Path, name: str) -> Path:
-    """tests/c/<name>.c compiled against libdir's kiln.h and libkiln, as docs/embed.md says."""
+    """tests/c/<name>.c compiled against libdir's kiln.h and libkiln, as docs/embedding.md says."""
     exe = libdir / name
     if not exe.exists():
         subprocess.run([_cc(), "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(exe),
@@ -137,7 +137,7 @@ def test_an_environment_without_kiln_is_an_init_status(tmp_path: Path) -> None:
 
 
 def test_the_docs_c_host_builds_and_trains(libkiln: Path, oracle: Callable[..., Any]) -> None:
-    docs = (Path(__file__).parents[3] / "docs" / "embed.md").read_text(encoding="utf-8")
+    docs = (Path(__file__).parents[3] / "docs" / "embedding.md").read_text(encoding="utf-8")
     (libkiln / "docs_host.c").write_text(docs.split("```c\n", 1)[1].split("```", 1)[0])
     exe = libkiln / "docs_host"
     subprocess.run([_cc(), "-std=c11", "-Wall", "-Werror", str(libkiln / "docs_host.c"), f"-I{libkiln}",

@@ -123,7 +123,7 @@ def test_a_torch_optimizer_trains_kiln_parameters_in_place(module: Any) -> None:
 
 
 def test_the_docs_torch_example_runs() -> None:
-    docs = (Path(__file__).parents[3] / "docs" / "embed.md").read_text(encoding="utf-8")
+    docs = (Path(__file__).parents[3] / "docs" / "embedding.md").read_text(encoding="utf-8")
     blocks = [b.split("```", 1)[0] for b in docs.split("```python\n")[1:]]
     block = next(b for b in blocks if "needs torch" in b.split("\n")[0])
-    exec(builtins.compile(block, "docs/embed.md", "exec"), {"__name__": "docs.embed"})
+    exec(builtins.compile(block, "docs/embedding.md", "exec"), {"__name__": "docs.embed"})

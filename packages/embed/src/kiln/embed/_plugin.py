@@ -28,5 +28,5 @@ def _run(args: argparse.Namespace) -> int:
 
 @hookimpl
 def kiln_cli_commands(register: Callable[..., Any]) -> None:
-    register("embed", help="kiln inside other programs: build the C library libkiln (see docs/embed.md)",
+    register("embed", help="kiln inside other programs: build the C library libkiln (see docs/embedding.md)",
              run=_run, configure=_configure)

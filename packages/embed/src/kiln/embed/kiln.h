@@ -7,7 +7,7 @@
  *
  * Threads: any thread may call; calls run one at a time (libkiln holds one lock for each call).
  * A bound buffer belongs to kiln while a call on its program runs, and must stay alive until the
- * program is freed or bound elsewhere. See docs/embed.md.
+ * program is freed or bound elsewhere. See docs/embedding.md.
  */
 #ifndef KILN_H
 #define KILN_H
