@@ -80,3 +80,24 @@ def register_kernels(registry: Any, without: Iterable[str] = ()) -> None:
 @hookimpl
 def kiln_register_kernels(registry: Any) -> None:
     register_kernels(registry)
+
+
+def _configure_cuda(p: Any) -> None:
+    from kiln.cuda._cli import configure
+
+    p.add_argument("action", choices=["check"],
+                   help="check: compile every kernel per architecture, verify its argument layout and "
+                        "resources, and run every kernel case on the emulator (and the GPU)")
+    configure(p)
+
+
+def _run_cuda(args: Any) -> int:
+    from kiln.cuda._cli import run
+
+    return run(args)
+
+
+@hookimpl
+def kiln_cli_commands(register: Any) -> None:
+    register("cuda", help="kiln-kernels-cuda's checks: `kiln cuda check` compiles and checks every kernel, "
+             "with or without a GPU", run=_run_cuda, configure=_configure_cuda)
