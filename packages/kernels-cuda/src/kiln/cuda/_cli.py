@@ -14,10 +14,23 @@ DEFAULT_ARCHS = ("sm_80", "sm_90")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from kiln.cuda._roofline import DEVICES, MATMUL
+
+    p.add_argument("model", nargs="?",
+                   help="roofline: the model, as kiln plan takes it (a kiln-dsl model name, an IR .json "
+                        "file, a HF checkpoint folder or a kiln train config)")
     p.add_argument("--arch", default=",".join(DEFAULT_ARCHS),
-                   help="comma-separated architectures to compile for (default %(default)s)")
+                   help="check: comma-separated architectures to compile for (default %(default)s)")
     p.add_argument("--no-emulate", action="store_true",
-                   help="skip running the kernels on the CPU emulator (compile and layout checks only)")
+                   help="check: skip running the kernels on the CPU emulator (compile and layout checks)")
+    p.add_argument("--config", default=None, help="roofline: the model's config as a JSON object")
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES),
+                   help="roofline: the GPU (default h100)")
+    p.add_argument("--matmul", default="fp32", choices=MATMUL,
+                   help="roofline: matmuls and attention on CUDA cores (fp32, as kiln's kernels run "
+                        "today) or on tensor cores (tf32, bf16)")
+    p.add_argument("--batch", type=int, default=None, help="roofline: batch size (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="roofline: sequence length (default 2048)")
 
 
 def _archs(text: str) -> list[str]:
@@ -124,3 +137,28 @@ def run(args: Any) -> int:
           + (f"{failures} failure(s)" if failures else "no failure"))
     sys.stdout.flush()
     return 1 if failures else 0
+
+
+def run_roofline(args: Any) -> int:
+    import json
+
+    from kiln.core import compile, get_registry
+    from kiln.cuda._roofline import roofline
+
+    if not args.model:
+        raise KilnError("kiln cuda roofline needs a model (e.g. Qwen3Model --config '{...}')")
+    config = json.loads(args.config) if args.config else None
+    sources = get_registry("model_sources")
+    source = next((sources[k] for k in sources if sources[k].claims(args.model)), None)
+    if source is None:
+        raise KilnError(f"no installed model source reads {args.model!r}")
+    bundle, settings = source.load(args.model, config)
+    batch, seq = args.batch or settings.get("batch", 8), args.seq or settings.get("seq", 2048)
+    for flag, value in (("--batch", batch), ("--seq", seq)):
+        if value < 1:
+            raise KilnError(f"{flag} must be >= 1, found {value}")
+    program = compile(bundle, bindings={"B": batch, "T": seq}, backend="numpy",
+                      mode=settings.get("mode", "full"), recompute=settings.get("recompute", "none"))
+    print(f"{args.model}, batch {batch} x {seq} tokens, one training step:")
+    print(roofline(program, args.device, args.matmul).table())
+    return 0

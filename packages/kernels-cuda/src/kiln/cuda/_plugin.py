@@ -85,16 +85,17 @@ def kiln_register_kernels(registry: Any) -> None:
 def _configure_cuda(p: Any) -> None:
     from kiln.cuda._cli import configure
 
-    p.add_argument("action", choices=["check"],
+    p.add_argument("action", choices=["check", "roofline"],
                    help="check: compile every kernel per architecture, verify its argument layout and "
-                        "resources, and run every kernel case on the emulator (and the GPU)")
+                        "resources, and run every kernel case on the emulator (and the GPU); roofline: "
+                        "predict a model's training step time and MFU on a GPU from kiln's op costs")
     configure(p)
 
 
 def _run_cuda(args: Any) -> int:
-    from kiln.cuda._cli import run
+    from kiln.cuda._cli import run, run_roofline
 
-    return run(args)
+    return run_roofline(args) if args.action == "roofline" else run(args)
 
 
 @hookimpl

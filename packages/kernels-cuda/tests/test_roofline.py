@@ -1,0 +1,64 @@
+"""The roofline prediction: a large matmul is bound by the device's compute peak, an elementwise op by
+its bandwidth, tensor cores apply to matmuls only when asked; ``kiln cuda roofline`` prints it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kiln.core import KilnError
+from kiln.core.cli import main
+from kiln.cuda._roofline import DEVICES, roofline
+
+
+def program(op: str, inputs: dict[str, tuple[int, ...]], attrs: dict[str, object]) -> SimpleNamespace:
+    """A Program of one step (what roofline reads of one)."""
+    tensors = {k: SimpleNamespace(shape=s, nbytes=4 * int.__mul__(*s[:2])) for k, s in inputs.items()}
+    step = SimpleNamespace(how="out", op=SimpleNamespace(type=op), inputs=tuple(inputs), outputs=("y",),
+                           attrs=attrs)
+    return SimpleNamespace(steps=(step,), tensors=tensors, bindings={"B": 1, "T": 4096})
+
+
+def test_a_large_matmul_is_compute_bound_on_cuda_cores_or_tensor_cores() -> None:
+    n = 4096
+    prog = program("matmul", {"a": (n, n), "b": (n, n)}, {"transpose": "NT"})
+    h100 = DEVICES["h100"]
+    flops = 2.0 * n**3  # the definition of a matmul, not kiln's cost table
+    fp32, bf16 = roofline(prog, "h100", "fp32"), roofline(prog, "h100", "bf16")
+    assert fp32.seconds == pytest.approx(flops / h100.fp32 + h100.launch, rel=1e-9)
+    assert bf16.seconds == pytest.approx(flops / h100.tensor["bf16"] + h100.launch, rel=1e-9)
+    assert fp32.by_op["matmul"][4] and bf16.mfu == pytest.approx(flops / bf16.seconds / h100.tensor["bf16"])
+
+
+def test_an_elementwise_op_is_bandwidth_bound_and_gets_no_tensor_cores() -> None:
+    prog = program("silu", {"x": (4096, 4096)}, {})
+    a100 = DEVICES["a100"]
+    fp32, bf16 = roofline(prog, "a100", "fp32"), roofline(prog, "a100", "bf16")
+    assert fp32.seconds == bf16.seconds  # tensor cores do not run it
+    assert fp32.seconds >= 2 * 4 * 4096**2 / a100.bandwidth  # at least a float32 read and write
+    assert not fp32.by_op["silu"][4] and fp32.model_flops == 0.0
+
+
+def test_unknown_devices_and_precisions_are_named() -> None:
+    prog = program("silu", {"x": (8, 8)}, {})
+    with pytest.raises(KilnError, match="unknown device 'v100'; kiln knows a100, h100"):
+        roofline(prog, "v100")
+    with pytest.raises(KilnError, match="matmul='fp8' is not one of fp32, tf32, bf16"):
+        roofline(prog, "h100", "fp8")
+
+
+def test_kiln_cuda_roofline_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    config = ('{"vocab_size": 512, "d_model": 64, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, '
+              '"head_size": 16, "d_ff": 128, "max_seq": 256}')
+    times = {}
+    for matmul in ("fp32", "bf16"):
+        code = main(["cuda", "roofline", "Qwen3Model", "--config", config, "--batch", "2", "--seq", "128",
+                     "--matmul", matmul])
+        out = capsys.readouterr().out
+        assert code == 0 and "flash_attention_backward" in out, out
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(f"predicted step on H100 SXM (matmuls in {matmul}): ") and "MFU" in last
+        times[matmul] = float(last.split(": ")[1].split(" ms")[0])
+    assert times["bf16"] < times["fp32"]
