@@ -638,12 +638,19 @@ class _Scheduler:
         """The blocks of the forward just scheduled, sized and costed for this shape."""
         blocks: dict[str, BlockContext] = {}
         call_keys: set[str] = set()
+        chain: list[tuple[str, tuple[int, ...]]] = []
+        before: list[str] = []  # the keys the layer before returns
         for call in self.calls.values():
             g = call.callee.forward
             assert g is not None
             lenv = call.layers[0]
             call_keys.update(call.inputs + call.outputs)
-            if call.callee.name in blocks:  # one block in two stacks: one plan for both
+            n = min(len(g.inputs), len(g.outputs))  # carried: output j becomes the next layer's input j
+            chain.append((call.callee.name,
+                          tuple(before.index(k) if k in before else -1 for k in call.inputs[:n])))
+            chain += [(call.callee.name, tuple(range(n)))] * (len(call.layers) - 1)
+            before = call.outputs
+            if call.callee.name in blocks:  # one block in two stacks: one context, its layers in both
                 b = blocks[call.callee.name]
                 blocks[call.callee.name] = attrs.evolve(b, layers=b.layers + len(call.layers))
                 continue
@@ -665,9 +672,17 @@ class _Scheduler:
             saves = self.derived(self.graph, DeriveBackwardOptions(
                 loss_name="loss", stop_gradients=self.stops(self.graph))).saves
             keys = {root.get(self.env[n], self.env[n]) for n in saves if n in self.env}
-            fixed = sum(self.nbytes(k) for k in keys if k not in self.kinds and k not in call_keys)
+            stacks = {root.get(k, k) for k in call_keys}  # the blocks' plans count these (a view's storage)
+            fixed = sum(self.nbytes(k) for k in keys - stacks if k not in self.kinds)
         return PlanContext(self.model, tuple(blocks.values()), self.mode, self.registry, fixed,
-                           frozenset(self.env))
+                           frozenset(self.env), tuple(chain))
+
+    def layer_index(self, call: _Call, layer: int) -> int:
+        """The position of ``call``'s stack layer ``layer`` among the model's block layers in forward
+        order (what ``BlockPlan.layer_ids`` name)."""
+        calls = list(self.calls.values())
+        k = next(k for k, c in enumerate(calls) if c is call)
+        return sum(len(c.layers) for c in calls[:k]) + layer - call.first
 
     def differentiated(self) -> set[str]:
         """The stacks (by parameter prefix) whose backward the model's backward runs."""
@@ -805,7 +820,6 @@ class _Scheduler:
         assert g is not None
         n_out = len(g.outputs)
         res = self.derived(g, self.block_options(call))
-        bplan = self.plan.block(callee.name)
         p = str(res.backward.metadata.get("grad_prefix", "d_"))
         grads = dict(res.grads)
         fed = {d.name for d in res.backward.inputs}
@@ -815,6 +829,7 @@ class _Scheduler:
             lenv = call.layers[i - first]
             e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
             pre = f"{call.prefix}.{i}."
+            bplan = self.plan.block(callee.name, self.layer_index(call, i))
             rc = _Replay(self, bplan, call, i) if bplan is not None and bplan.recomputed else None
             if rc is not None and bplan is not None and bplan.whole_block:
                 rc.all()

@@ -660,10 +660,12 @@ def plan_modes(context: PlanContext, mode: str) -> RecomputePlan:
             blocks.append(plan_block(ctx, context.registry, context.training))
         else:
             blocks.append(replay_plan(ctx, set(), context.registry, context.training))
-    none = [replay_plan(c, set(), None, context.training) for c in context.blocks
-            if c.module.forward is not None]
-    return RecomputePlan(mode, context.training, blocks=blocks, reference_bytes=model_bytes(context, none),
-                         planned_bytes=model_bytes(context, blocks))
+    layers = tuple(name for name, _ in context.layer_chain())
+    none = RecomputePlan(blocks=[replay_plan(c, set(), None, context.training) for c in context.blocks
+                                 if c.module.forward is not None], layers=layers)
+    plan = RecomputePlan(mode, context.training, blocks=blocks, layers=layers)
+    return attrs.evolve(plan, reference_bytes=model_bytes(context, none),
+                        planned_bytes=model_bytes(context, plan))
 
 
 def check_plan(plan: RecomputePlan, context: PlanContext) -> None:

@@ -1,26 +1,34 @@
-"""The auto planner: every (saved bytes, recomputed FLOPs) trade-off of a block, exactly.
+"""The auto planner: fewest recomputed FLOPs under a saved-activation budget, per layer, exactly.
 
 Per block, tensors that share storage (a view and its input) are one *root*. The backward needs a
 set of roots; each must be kept from the forward or rebuilt by replaying its producer, whose own
 inputs then must be kept or rebuilt in turn. Walking the forward ops last to first, a root is
 decided once every op that could read it has been: the state is the set of earlier roots a replay
 still needs (plus which carried block outputs are kept), so a dynamic program over those states
-with a Pareto list of (bytes, FLOPs) per state yields every optimal plan at once. A block input
-carried from the previous layer's output is the same storage as that output: it is counted once.
+with a Pareto list of (bytes, FLOPs) per state yields every optimal plan of one layer at once.
+
+The model's layers then each take a point of their block's front: a second dynamic program walks
+them in forward order, its state the carried outputs the layer before keeps, since a layer's carried
+input is that same storage (counted once). Layers of one block may so take different plans; those
+that take the same form one layer group of the plan.
 
 Replaying a matmul-class op is considered only below the smallest budget reachable without one.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
+
+import attrs
+import numpy as np
 
 from kiln.core._errors import KilnError
 from kiln.core.ops._ops import OpRegistry
 from kiln.core.plan._recompute import _Forward, replay_plan, replay_variants, replayable
-from kiln.core.plan.recompute import BlockContext, BlockPlan, ParetoPoint, PlanContext, RecomputePlan
+from kiln.core.plan.recompute import BlockContext, ParetoPoint, PlanContext, RecomputePlan
 
 # (bytes, FLOPs, cost bytes, replayed op positions as a bit mask)
 _Pt = tuple[int, float, float, int]
@@ -84,28 +92,21 @@ class _Block:
             i += 1
         return total
 
-    def carried(self, kept: int) -> tuple[int, int]:
-        """(bytes per layer, bytes once) of the carried inputs in ``kept``: an input is the previous
-        layer's output, so it costs nothing more when that output is kept too, except that the stack then
-        holds one more of them (its first input and its last output)."""
-        per_layer = once = 0
-        for bit_in, bit_out, size in zip(self.carry_in, self.carry_out, self.carry_size, strict=True):
-            if kept & bit_in:
-                if kept & bit_out:
-                    once += size
-                else:
-                    per_layer += size
-        return per_layer, once
+    def signature(self, kept: int) -> tuple[int, int]:
+        """(carried inputs, carried outputs) among the roots ``kept``, as masks over ``ctx.carries``."""
+        kin = sum(1 << j for j, bit in enumerate(self.carry_in) if kept & bit)
+        return kin, sum(1 << j for j, bit in enumerate(self.carry_out) if kept & bit)
 
-    def model_bytes(self, kept: int) -> int:
-        """Saved bytes of all layers when each keeps the roots ``kept`` (other inputs are model inputs)."""
-        per_layer, once = self.carried(kept)
-        return self.ctx.layers * (self.bytes_of(kept & ~self.inputs) + per_layer) + once
+    def input_bytes(self, kin: int, sources: Sequence[int], before: int) -> int:
+        """Bytes of the carried inputs ``kin`` a layer keeps, less those the layer before keeps as its
+        outputs (``before``; ``sources``: which of its outputs each input is, -1 for none): one storage."""
+        return sum(size for j, size in enumerate(self.carry_size)
+                   if kin >> j & 1 and not (sources[j] >= 0 and before >> sources[j] & 1))
 
 
 def _prune(points: list[_Pt]) -> list[_Pt]:
     """The Pareto points: sorted by bytes, each strictly cheaper than all that keep fewer bytes."""
-    points.sort()
+    points.sort(key=lambda p: (p[0], p[1], p[2]))
     out: list[_Pt] = []
     for p in points:
         if not out or (p[1], p[2]) < (out[-1][1], out[-1][2]):
@@ -113,14 +114,16 @@ def _prune(points: list[_Pt]) -> list[_Pt]:
     return out
 
 
-def block_front(b: _Block, allow_matmul: bool) -> list[_Pt]:
-    """Every Pareto-optimal plan of a block: (saved bytes of its layers, FLOPs, cost bytes, replayed).
+def block_front(b: _Block, allow_matmul: bool) -> dict[tuple[int, int], list[_Pt]]:
+    """Every Pareto-optimal plan of one layer of a block, per signature (:meth:`_Block.signature`: the
+    carried inputs and outputs it keeps, whose bytes depend on its neighbours): (bytes of the other
+    roots it keeps, FLOPs, cost bytes, replayed).
 
     ``replayed`` has bit ``pos`` for an op replayed whole and bit ``pos + (v + 1) * len(b.ops)`` for
     one rebuilt by its replay variant ``v`` (the outputs it does not rebuild, and those it reads, kept).
     """
     n = len(b.ops)
-    # state: (roots a replay still needs, carried outputs kept) -> points (bytes per layer so far, ...)
+    # state: (roots a replay still needs, carried outputs kept) -> points (bytes so far, ...)
     states: dict[tuple[int, int], list[_Pt]] = {(0, 0): [(0, 0.0, 0.0, 0)]}
     for pos in reversed(range(len(b.ops))):
         outs, ins = b.outs[pos], b.ins[pos]
@@ -148,138 +151,214 @@ def block_front(b: _Block, allow_matmul: bool) -> list[_Pt]:
                     state = (rest | (reads & ~outs & ~b.needed), kout | held & b.outs_carried)
                     new.setdefault(state, []).extend((m + vb, f + f0, c + c0, r | bit) for m, f, c, r in pts)
         states = {k: _prune(v) for k, v in new.items()}
-    layers = b.ctx.layers
-    out: list[_Pt] = []
+    out: dict[tuple[int, int], list[_Pt]] = {}
     for (req, kout), pts in states.items():
-        per_layer, once = b.carried(((b.needed | req) & b.ins_carried) | kout)
-        out += [(layers * (m + per_layer) + once, layers * f, layers * c, r) for m, f, c, r in pts]
-    return _prune(out)
+        out.setdefault(b.signature(((b.needed | req) & b.ins_carried) | kout), []).extend(pts)
+    return {sig: _prune(pts) for sig, pts in out.items()}
 
 
-def _combine(fronts: Sequence[list[_Pt]], fixed: int) -> list[tuple[int, float, float, tuple[int, ...]]]:
-    """The Pareto points of the model: one point per block, bytes and costs added."""
-    acc: list[tuple[int, float, float, tuple[int, ...]]] = [(fixed, 0.0, 0.0, ())]
-    for front in fronts:
-        merged = sorted(((m + m2, f + f2, c + c2, (*r, r2)) for m, f, c, r in acc
-                         for m2, f2, c2, r2 in front), key=lambda p: (p[0], p[1], p[2]))
-        acc = []
-        for p in merged:
-            if not acc or (p[1], p[2]) < (acc[-1][1], acc[-1][2]):
-                acc.append(p)
-    return acc
+#: model plans kept per state and layer by the walk along the layers: a longer Pareto list is thinned
+#: evenly by rank, its ends kept (so the fewest bytes stay exact; the walk is exact while no list is longer)
+_MAX_POINTS = 256
+#: the most plans the layers of one block take by default (option ``layer_groups``)
+LAYER_GROUPS = 3
 
 
-def _blocks(context: PlanContext) -> list[_Block]:
-    return [_Block(c, context.registry) for c in context.blocks if c.module.forward is not None]
+def _pareto(nbytes: np.ndarray, flops: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto points, by bytes: each with fewer FLOPs than every point keeping fewer bytes;
+    thinned to :data:`_MAX_POINTS`."""
+    order = np.lexsort((cost, flops, nbytes))
+    f = flops[order]
+    keep = order[f < np.minimum.accumulate(np.concatenate(([np.inf], f[:-1])))]
+    if len(keep) > _MAX_POINTS:
+        keep = keep[np.unique(np.linspace(0, len(keep) - 1, _MAX_POINTS).round().astype(np.int64))]
+    return keep
+
+
+def _blocks(context: PlanContext) -> dict[str, _Block]:
+    return {c.name: _Block(c, context.registry) for c in context.blocks if c.module.forward is not None}
+
+
+#: a layer's plan as a point names it: (forward ops replayed whole, (op, replay variant) pairs)
+_Choice = tuple[frozenset[int], tuple[tuple[int, int], ...]]
+
+
+def _front(context: PlanContext, blocks: Mapping[str, _Block], allow_matmul: bool,
+           only: Mapping[str, AbstractSet[_Choice]] | None = None) -> list[ParetoPoint]:
+    """The model's Pareto points, each layer taking its own point of its block's front (of those in
+    ``only``, where given): a dynamic program along the layers in forward order whose state is the
+    carried outputs the layer before keeps (a layer's carried input is that storage, counted once)."""
+    chain = context.layer_chain()
+    # per block, every plan of one layer: (bytes of the roots it keeps but its inputs, FLOPs, cost bytes,
+    # carried inputs kept, carried outputs kept, replayed)
+    options = {name: [(m, f, c, kin, kout, r) for (kin, kout), pts in block_front(b, allow_matmul).items()
+                      for m, f, c, r in pts] for name, b in blocks.items()}
+    decoded = {name: [_decode(blocks[name], o[5]) for o in opts] for name, opts in options.items()}
+    if only is not None:
+        for name in options:
+            pick = [k for k, d in enumerate(decoded[name]) if d[:2] in only.get(name, ())]
+            options[name], decoded[name] = [options[name][k] for k in pick], [decoded[name][k] for k in pick]
+    cols = {name: [np.array(col) for col in zip(*opts, strict=True)] for name, opts in options.items()}
+    nbytes, flops, cost = np.array([float(context.fixed_bytes)]), np.zeros(1), np.zeros(1)
+    kout = np.zeros(1, dtype=np.int64)
+    steps: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (row of the layer before, option) per row
+    for name, sources in chain:
+        b = blocks[name]
+        m, f, c, kin, out, _ = cols[name]
+        extra = np.zeros((len(nbytes), len(m)))
+        for j, size in enumerate(b.carry_size):
+            shared = (kout[:, None] >> sources[j]) & 1 if sources[j] >= 0 else 0
+            extra += size * ((kin[None, :] >> j) & 1) * (1 - shared)
+        rows, opt = (x.ravel() for x in np.meshgrid(np.arange(len(nbytes)), np.arange(len(m)), indexing="ij"))
+        cand = (nbytes[rows] + m[opt] + extra.ravel(), flops[rows] + f[opt], cost[rows] + c[opt])
+        keep = np.concatenate([sel[_pareto(*(x[sel] for x in cand))]
+                               for state in np.unique(out) for sel in [np.flatnonzero(out[opt] == state)]])
+        nbytes, flops, cost = (x[keep] for x in cand)
+        kout = out[opt[keep]]
+        steps.append((rows[keep], opt[keep]))
+    final = _pareto(nbytes, flops, cost)
+    picks = np.zeros((len(final), len(chain)), dtype=np.int64)
+    at = final
+    for p in reversed(range(len(chain))):
+        picks[:, p] = steps[p][1][at]
+        at = steps[p][0][at]
+    out_points = []
+    for x, row in zip(final, picks, strict=True):
+        layers = [decoded[name][o] for (name, _), o in zip(chain, row, strict=True)]
+        out_points.append(ParetoPoint(int(nbytes[x]), float(flops[x]), float(cost[x]),
+                                      tuple(r for r, _, _ in layers), any(mm for _, _, mm in layers),
+                                      variants=tuple(v for _, v, _ in layers)))
+    return out_points
+
+
+def _decode(b: _Block, r: int) -> tuple[frozenset[int], tuple[tuple[int, int], ...], bool]:
+    """A layer's replayed bit mask as (forward ops replayed whole, (op, variant) pairs, whether any of
+    them is matmul-class)."""
+    n = len(b.ops)
+    whole = frozenset(b.ops[p] for p in range(n) if r >> p & 1)
+    variants = tuple((b.ops[p], v) for v in range(b.n_variants) for p in range(n)
+                     if r >> (p + (v + 1) * n) & 1)
+    matmul = any(b.matmul[p] for p in range(n) if any(r >> (p + v * n) & 1 for v in range(b.n_variants + 1)))
+    return whole, variants, matmul
 
 
 def model_front(context: PlanContext, allow_matmul: bool | None) -> list[ParetoPoint]:
     blocks = _blocks(context)
-
-    def front(mm: bool) -> list[ParetoPoint]:
-        out = []
-        for m, f, c, masks in _combine([block_front(b, mm) for b in blocks], context.fixed_bytes):
-            positions = [(b, [p for p in range(len(b.ops)) if r >> p & 1])
-                         for b, r in zip(blocks, masks, strict=True)]
-            replayed = tuple(frozenset(b.ops[p] for p in ps) for b, ps in positions)
-            variants = tuple(tuple((b.ops[p], v) for v in range(b.n_variants) for p in range(len(b.ops))
-                                   if r >> (p + (v + 1) * len(b.ops)) & 1)
-                             for b, r in zip(blocks, masks, strict=True))
-            out.append(ParetoPoint(m, f, c, replayed, any(b.matmul[p] for b, ps in positions for p in ps),
-                                   variants=variants))
-        return out
-
     if allow_matmul is not None:
-        points = front(allow_matmul)
+        points = _front(context, blocks, allow_matmul)
     else:
-        base = front(False)
+        base = _front(context, blocks, False)
         floor = min(p.bytes for p in base)
-        points = base + [p for p in front(True) if p.bytes < floor]
+        points = base + [p for p in _front(context, blocks, True) if p.bytes < floor]
     return sorted(points, key=lambda p: (-p.bytes, p.flops))
 
 
-def _rank(p: ParetoPoint) -> tuple[bool, float, float, int]:
-    """Preference among plans that fit: no matmul replayed, then fewest FLOPs, then fewest bytes."""
-    return (p.matmul, p.flops, p.cost_bytes, p.bytes)
+def _grouped(context: PlanContext, point: ParetoPoint, budget: int, groups: int) -> ParetoPoint:
+    """``point`` where each block's layers take at most ``groups`` plans; else the plan with the fewest
+    FLOPs within ``budget`` whose blocks' layers take at most ``groups`` of the plans ``point`` gives
+    them: those it gives most layers, or the ones recomputing most and least with those it gives most
+    layers, or the one recomputing most alone (``point`` itself if none fits)."""
+    blocks = _blocks(context)
+    used: dict[str, Counter[_Choice]] = {}
+    variants = point.variants or tuple(() for _ in point.replayed)
+    for (name, _), r, v in zip(context.layer_chain(), point.replayed, variants, strict=True):
+        used.setdefault(name, Counter())[(r, v)] += 1
+    if all(len(c) <= groups for c in used.values()):
+        return point
+
+    def most(c: Counter[_Choice], n: int) -> set[_Choice]:
+        return {k for k, _ in c.most_common(max(n, 0))}
+
+    def by_flops(name: str) -> list[_Choice]:  # the plans recomputing least first
+        costs = blocks[name].ctx.costs
+        return sorted(used[name], key=lambda ch: sum(costs[k].flops for k in {*ch[0], *dict(ch[1])}))
+
+    tries = [{name: most(c, groups) for name, c in used.items()},
+             {name: {by_flops(name)[-1], *by_flops(name)[:min(groups - 1, 1)], *most(c, groups - 2)}
+              for name, c in used.items()},
+             {name: {by_flops(name)[-1]} for name in used}]
+    for only in tries:
+        fits = [p for p in _front(context, blocks, point.matmul, only) if p.bytes <= budget]
+        if fits:
+            return min(fits, key=_rank)
+    return point
 
 
-def _monotone(points: Sequence[ParetoPoint], peak: Callable[[ParetoPoint], int]) -> list[ParetoPoint]:
-    """The points whose activation peak is no higher than that of any point keeping more bytes (walked
-    from the most bytes down, a running minimum): choosing only among them, a smaller budget never
-    gets a larger peak."""
-    out: list[ParetoPoint] = []
-    low = math.inf
-    for p in sorted(points, key=lambda p: (-p.bytes, p.flops)):
-        if peak(p) <= low:
-            out.append(p)
-            low = peak(p)
-    return out
-
-
-def choose(points: Sequence[ParetoPoint], budget: int,
-           peak: Callable[[ParetoPoint], int] | None = None) -> ParetoPoint | None:
-    """The preferred point (:func:`_rank`) that keeps at most ``budget`` saved activation bytes.
-
-    With ``peak`` (point -> placed activation peak), only points no higher than every point keeping
-    more are eligible (:func:`_monotone`): the chosen peak then never rises as the budget falls,
-    and never exceeds the no-recompute one (the point keeping most, preferred whenever it fits)."""
-    eligible = _monotone(points, peak) if peak is not None else list(points)
-    return next((p for p in sorted(eligible, key=_rank) if p.bytes <= budget), None)
-
-
-def selectable(points: Sequence[ParetoPoint]) -> list[ParetoPoint]:
-    """The measured points some budget selects: eligible (:func:`_monotone`), and no eligible point
-    keeping as few bytes ranks before them."""
-    eligible = _monotone(points, lambda p: p.peak if p.peak is not None else p.bytes)
-    return [p for p in eligible
-            if not any(q is not p and q.bytes <= p.bytes and _rank(q) < _rank(p) for q in eligible)]
-
-
-def model_bytes(context: PlanContext, plans: Sequence[BlockPlan]) -> int:
-    """Saved activation bytes of the model under block plans, as the planner models them."""
-    by_name = {p.module: p for p in plans}
-    total = context.fixed_bytes
-    for b in _blocks(context):
-        plan = by_name.get(b.ctx.name)
-        if plan is not None:
-            total += b.model_bytes(b.mask(b.fwd.root[t] for t in plan.saved if t in b.fwd.root))
+def model_bytes(context: PlanContext, plan: RecomputePlan) -> int:
+    """Saved activation bytes of the model under ``plan``, as the planner models them."""
+    blocks = _blocks(context)
+    total, before = context.fixed_bytes, 0
+    for i, (name, sources) in enumerate(context.layer_chain()):
+        b, bp = blocks[name], plan.block(name, i)
+        kept = b.mask(b.fwd.root[t] for t in bp.saved if t in b.fwd.root) if bp is not None else 0
+        kin, kout = b.signature(kept)
+        total += b.bytes_of(kept & ~b.inputs) + b.input_bytes(kin, sources, before)
+        before = kout
     return total
+
+
+def _rank(p: ParetoPoint) -> tuple[float, float, int]:
+    """Preference among plans that fit: fewest FLOPs, then fewest bytes moved, then fewest kept."""
+    return (p.flops, p.cost_bytes, p.bytes)
 
 
 def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any],
               resolve: Callable[[float | None, int], int]) -> RecomputePlan:
-    """The auto plan: fewest FLOPs among the Pareto points whose saved activations fit the budget.
-
-    With ``options["measure"]`` (plan -> placed activation peak, as ``compile`` passes), a point whose
-    placed peak is above that of a point keeping more is passed over (:func:`choose`)."""
-    points = model_front(context, options.get("allow_matmul"))
-    measure = options.get("measure")
-    seen: dict[int, int] = {}
-
-    def peak(p: ParetoPoint) -> int:
-        if measure is None:
-            return p.bytes
-        if id(p) not in seen:
-            seen[id(p)] = int(measure(to_plan(context, p)))
-        return seen[id(p)]
-
+    """The auto plan: fewest FLOPs among the points whose saved activations fit the budget and, with
+    ``options["peak_budget"]``, whose activation peak (``options["measure"]``, plan -> placed peak, as
+    ``compile`` passes) fits that; a block's layers take at most ``options["layer_groups"]`` plans."""
+    allow = options.get("allow_matmul")
+    points = model_front(context, allow)
     none = max(points, key=lambda p: (p.bytes, -p.flops))
     target = resolve(budget, none.bytes)
-    best = choose(points, target, peak if measure is not None else None)
-    if best is None:
+    # by default a plan replaying matmul-class ops is taken only where no plan without them fits
+    fits = sorted((p for p in points if p.bytes <= target),
+                  key=lambda p: (allow is None and p.matmul, *_rank(p)))
+    if not fits:
         lowest = min(p.bytes for p in points)
-        raise KilnError(f"no recompute plan keeps the saved activations within {target} bytes; the lowest "
-                        f"auto plan keeps {lowest} of {none.bytes} without recompute",
-                        hint="raise the budget, or use recompute='block'")
+        how = " without replaying matmul-class ops" if allow is False else ""
+        raise KilnError(f"no recompute plan keeps the saved activations within {target} bytes: the least any "
+                        f"plan keeps{how} is {lowest} bytes ({none.bytes} without recompute)",
+                        hint=f"raise the budget to at least {lowest} bytes, or use recompute='block'")
+    groups = int(options.get("layer_groups", LAYER_GROUPS))
+    if groups < 1:
+        raise KilnError(f"recompute option layer_groups={groups} is not valid; expected at least 1 (1: every "
+                        "layer of a block takes the same plan)")
+    best = _grouped(context, fits[0], target, groups)
+    peak_budget = options.get("peak_budget")
+    if peak_budget is not None:
+        measure = options.get("measure")
+        if measure is None:
+            raise KilnError(f"recompute option peak_budget={peak_budget!r} needs option 'measure' (plan -> "
+                            "activation peak), which compile passes")
+        peaks: list[int] = []
+        for p in fits:  # fewest FLOPs first: the first whose placed peak fits
+            p = _grouped(context, p, target, groups)
+            peaks.append(int(measure(to_plan(context, p))))
+            if peaks[-1] <= peak_budget:
+                best = p
+                break
+        else:
+            raise KilnError(f"no recompute plan within {target} saved bytes keeps the activation peak within "
+                            f"{peak_budget} bytes; the lowest peak among them is {min(peaks)} bytes",
+                            hint="raise peak_budget or lower the saved-activation budget")
     return to_plan(context, best, target, none.bytes)
 
 
 def to_plan(context: PlanContext, point: ParetoPoint, budget: int | None = None,
             reference: int | None = None) -> RecomputePlan:
-    """The RecomputePlan of one auto point."""
-    contexts = [c for c in context.blocks if c.module.forward is not None]
-    variants = point.variants or tuple(() for _ in contexts)
-    blocks = [replay_plan(c, set(r), context.registry, context.training, variants=dict(v))
-              for c, r, v in zip(contexts, point.replayed, variants, strict=True)]
+    """The RecomputePlan of one auto point: one BlockPlan per block, or per layer group where the
+    block's layers take different plans."""
+    chain = context.layer_chain()
+    variants = point.variants or tuple(() for _ in chain)
+    groups: dict[tuple[str, frozenset[int], tuple[tuple[int, int], ...]], list[int]] = {}
+    for i, ((name, _), r, v) in enumerate(zip(chain, point.replayed, variants, strict=True)):
+        groups.setdefault((name, r, v), []).append(i)
+    blocks = []
+    for c in context.blocks:
+        mine = [(r, v, ids) for (name, r, v), ids in groups.items() if name == c.name]
+        for r, v, ids in mine:
+            plan = replay_plan(c, set(r), context.registry, context.training, variants=dict(v))
+            blocks.append(attrs.evolve(plan, layers=len(ids), layer_ids=ids if len(mine) > 1 else ()))
     return RecomputePlan("auto", context.training, blocks=blocks, budget=budget, reference_bytes=reference,
-                         planned_bytes=point.bytes)
+                         planned_bytes=point.bytes, layers=tuple(name for name, _ in chain))

@@ -5,7 +5,7 @@ One plan type, :class:`RecomputePlan`, for every mode:
 - ``"none"``: everything the backward reads is saved;
 - ``"dsl"``: from the activation-slot hints of each block (seed 000 §4.1);
 - ``"auto"``: from the forward and backward graphs under a memory budget, minimising the FLOPs
-  recomputed (an exact dynamic program over the block's ops, see :func:`pareto`);
+  recomputed (exact dynamic programs over the block's ops and the model's layers, see :func:`pareto`);
 - ``"block"``: keep only each block's inputs and its persistent slots and replay the whole block
   when its output gradient arrives (seed 001).
 
@@ -69,6 +69,10 @@ def _strs(v: Sequence[str]) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _ints(v: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(i) for i in v)
+
+
 @attrs.frozen
 class RecomputeOp:
     """One recompute step of a block: the op the plan declares and the forward ops replayed for it.
@@ -99,7 +103,9 @@ class RecomputeOp:
 
 @attrs.frozen
 class BlockPlan:
-    """The plan of one block module, the same for each of its ``layers`` layers.
+    """The plan of a block module for ``layers`` of its layers: all of them, or those ``layer_ids`` lists
+    (their positions among the model's block layers in forward order, 0 first), when the auto planner
+    gives the module's layers different plans (one BlockPlan per layer group).
 
     ``ops`` are topologically ordered. ``saved`` and ``recomputed`` name the forward tensors (slot
     names where the block declares slots) that the backward reads saved and recomputed; ``bytes``
@@ -119,6 +125,7 @@ class BlockPlan:
     gated: tuple[str, ...] = field(default=(), converter=_strs)
     shared: tuple[str, ...] = field(default=(), converter=_strs)
     whole_block: bool = False
+    layer_ids: tuple[int, ...] = field(default=(), converter=_ints)
 
     @property
     def saved_bytes(self) -> int:
@@ -146,7 +153,8 @@ class RecomputePlan:
 
     ``budget`` is the activation budget in bytes the plan was made for (auto), ``reference_bytes``
     the saved activations without recompute and ``planned_bytes`` those of this plan, as the
-    planner models them (the Program's ``memory_report()`` has the placed numbers).
+    planner models them (the Program's ``memory_report()`` has the placed numbers). ``layers``: the
+    block module of each model layer, in forward order (the positions ``BlockPlan.layer_ids`` name).
     """
 
     mode: str = "none"
@@ -157,24 +165,36 @@ class RecomputePlan:
     reference_bytes: int | None = None
     planned_bytes: int | None = None
     seconds: float = 0.0
+    layers: tuple[str, ...] = field(default=(), converter=_strs)
 
-    def block(self, module: str) -> BlockPlan | None:
-        return next((b for b in self.blocks if b.module == module), None)
+    def block(self, module: str, layer: int | None = None) -> BlockPlan | None:
+        """The plan of ``module``'s model layer ``layer`` (a position among the model's block layers in
+        forward order); without ``layer``, of its first layer group."""
+        return next((b for b in self.blocks if b.module == module
+                     and (layer is None or not b.layer_ids or layer in b.layer_ids)), None)
 
     @property
     def extra_flops(self) -> float:
         """FLOPs recomputed per training step (every layer of every block)."""
         return sum(b.extra_flops * b.layers for b in self.blocks)
 
+    def layer_plans(self) -> list[BlockPlan | None]:
+        """The plan of each model layer in forward order (per ``layers``; without it, each block's
+        layers in turn)."""
+        if not self.layers:
+            return [b for b in self.blocks for _ in range(b.layers)]
+        return [self.block(m, i) for i, m in enumerate(self.layers)]
+
     def table(self) -> str:
-        """One row per layer: block, ops replayed, saved and recomputed bytes, extra FLOPs."""
-        rows = [("layer", "block", "ops", "saved", "recomputed", "extra GFLOP")]
-        i = 0
-        for b in self.blocks:
-            for _ in range(b.layers):
-                rows.append((str(i), b.module, str(len(b.ops)), _size(b.saved_bytes),
+        """One row per layer: block, its layer group (1, 2, ... where a block's layers take different
+        plans, in the order of ``blocks``), ops replayed, saved and recomputed bytes, extra FLOPs."""
+        group = {id(b): str(sum(c.module == b.module for c in self.blocks[:k]) + 1) if b.layer_ids else "-"
+                 for k, b in enumerate(self.blocks)}
+        rows = [("layer", "block", "group", "ops", "saved", "recomputed", "extra GFLOP")]
+        for i, b in enumerate(self.layer_plans()):
+            if b is not None:
+                rows.append((str(i), b.module, group[id(b)], str(len(b.ops)), _size(b.saved_bytes),
                              _size(b.recomputed_bytes), f"{b.extra_flops / 1e9:.3f}"))
-                i += 1
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.rjust(w) if c != 1 else cell.ljust(w)
                                    for c, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows)
@@ -186,7 +206,8 @@ class RecomputePlan:
             lines.append(f"budget {_size(self.budget)}, planned {_size(self.planned_bytes or 0)} of "
                          f"{_size(self.reference_bytes or 0)} saved without recompute")
         for b in self.blocks:
-            lines.append(f"block {b.module} x {b.layers}{' (whole block)' if b.whole_block else ''}:")
+            which = f" (layers {', '.join(map(str, b.layer_ids))})" if b.layer_ids else ""
+            lines.append(f"block {b.module} x {b.layers}{which}{' (whole block)' if b.whole_block else ''}:")
             lines += [f"  {op}" for op in b.ops]
             lines.append(f"  saved: {', '.join(b.saved) or '-'}")
             lines.append(f"  recomputed: {', '.join(b.recomputed) or '-'}")
@@ -228,7 +249,10 @@ class PlanContext:
     """Everything a planner may look at: the model, its blocks, the training mode and the shape.
 
     ``fixed_bytes``: saved activations outside the blocks (the model's own graph), which no plan
-    changes. ``globals``: tensor names of the model's graph (what ``@global:`` may name).
+    changes. ``globals``: tensor names of the model's graph (what ``@global:`` may name). ``chain``:
+    per model layer in forward order, its block and, per carried input of that block (``carries``),
+    the output of the layer before that it reads (an index into that layer's ``carries``), or -1
+    when it reads another tensor; empty: each block's layers form one chain of their own.
     """
 
     model: Module
@@ -237,6 +261,7 @@ class PlanContext:
     registry: OpRegistry | None = None
     fixed_bytes: int = 0
     globals: frozenset[str] = frozenset()
+    chain: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def block(self, name: str) -> BlockContext:
         for b in self.blocks:
@@ -244,19 +269,29 @@ class PlanContext:
                 return b
         raise KilnError(f"the model has no repeated block {name!r}")
 
+    def layer_chain(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``chain``, or where it is empty each block's layers in turn, each reading the one before."""
+        if self.chain:
+            return self.chain
+        return tuple((b.name, tuple(range(len(b.carries))) if i else (-1,) * len(b.carries))
+                     for b in self.blocks for i in range(b.layers))
+
 
 @attrs.frozen
 class ParetoPoint:
-    """One auto plan: saved activation bytes of the whole model and FLOPs recomputed per step."""
+    """One auto plan: saved activation bytes of the whole model and FLOPs recomputed per step.
+
+    ``replayed`` and ``variants`` are per model layer (``PlanContext.layer_chain()``), so layers of one
+    block may differ: the forward op indices replayed whole, and (forward op index, replay variant)
+    pairs, an op rebuilt in part by that entry of ``kiln.core.plan._recompute.replay_variants`` from
+    the rest of its outputs, which are kept."""
 
     bytes: int
     flops: float
     cost_bytes: float
-    replayed: tuple[frozenset[int], ...]  # per block of the context, the forward op indices replayed
+    replayed: tuple[frozenset[int], ...]
     matmul: bool  # whether it replays a matmul-class op
     peak: int | None = None  # the placed activation peak, when measured
-    #: per block, (forward op index, replay variant) pairs: the op is rebuilt in part by that entry of
-    #: ``kiln.core.plan._recompute.replay_variants`` from the rest of its outputs, which are kept
     variants: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
@@ -285,20 +320,20 @@ def layout_ops(block: Module, training: str = "full", *, globals: frozenset[str]
 
 def pareto(context: PlanContext, *, allow_matmul: bool | None = None,
            measure: Callable[[RecomputePlan], int] | None = None) -> list[ParetoPoint]:
-    """Every auto plan that no other plan beats on both saved bytes and recomputed FLOPs.
+    """Every auto plan that no other plan beats on both saved bytes and recomputed FLOPs, its layers
+    free to take different plans.
 
     Sorted by bytes, largest first (the no-recompute plan). ``allow_matmul``: None tries without
     replaying matmul-class ops first and adds the points that need them below the smallest budget
     reachable without; True or False forces either. With ``measure`` (plan -> placed activation
-    peak), each point gets its ``peak`` and only the points some budget selects are returned: their
-    peaks fall as their budgets do.
+    peak), each point gets its ``peak``.
     """
-    from kiln.core.plan._recompute_auto import model_front, selectable, to_plan
+    from kiln.core.plan._recompute_auto import model_front, to_plan
 
     points = model_front(context, allow_matmul)
     if measure is None:
         return points
-    return selectable([attrs.evolve(p, peak=int(measure(to_plan(context, p)))) for p in points])
+    return [attrs.evolve(p, peak=int(measure(to_plan(context, p)))) for p in points]
 
 
 def _resolve_budget(budget: float | None, reference: int) -> int:
@@ -320,12 +355,11 @@ def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | 
     """The recompute plan for ``context``: a plugin's (``kiln_plan_recompute``) or kiln's own.
 
     ``budget`` (auto mode): the saved activations allowed (what the forward keeps for the backward),
-    in bytes (int) or as a fraction of the no-recompute ones (float); default 0.5. ``options``
-    (passed on to plugins as well):
-    ``allow_matmul`` (None: only when the budget forces it) and ``measure``, a function from a plan
-    to its placed activation peak (saved plus transient activation bytes; ``compile`` passes one),
-    with which a plan peaking above one that keeps more is passed over, so that the peak never rises
-    as the budget falls.
+    in bytes (int) or as a fraction of the no-recompute ones (float); default 0.5. The auto plan is
+    the one with the fewest recomputed FLOPs that fits. ``options`` (passed on to plugins as well):
+    ``allow_matmul`` (None: only when the budget forces it), ``peak_budget``, the activation peak
+    allowed in bytes (saved plus transient activations, as placed), and ``measure``, a function from a
+    plan to that peak (``compile`` passes one).
     """
     if mode not in MODES:
         raise KilnError(f"recompute={mode!r} is not valid; expected one of {', '.join(map(repr, MODES))}")
