@@ -16,7 +16,9 @@ PACKAGES = {folder: data["project"] for folder, data in PYPROJECTS.items()}
 BUILD_REQUIRES = sorted({r for data in PYPROJECTS.values() for r in data["build-system"]["requires"]})
 FOLDER_OF = {project["name"]: folder for folder, project in PACKAGES.items()}
 FIXTURE_PLUGIN = "tests/plugins/kiln_fixture_plugin"
-TEST_TOOLS = ("pytest", "hypothesis", "import-linter")
+#: scipy: the exact recompute solver the planner is proven against; pyarrow, tensorboardX and
+#: tensorboard: kiln-hf's optional Parquet and TensorBoard paths (tensorboard reads the event files back)
+TEST_TOOLS = ("pytest", "hypothesis", "import-linter", "scipy", "pyarrow", "tensorboardX", "tensorboard")
 
 
 def _with_kiln_dependencies(folder: str) -> list[str]:
@@ -111,3 +113,10 @@ def bench_gpu(session: nox.Session) -> None:
     """A training step on kiln's `cuda` backend beside the NumPy backend (packages/kernels-cuda/bench)."""
     _install_editable(session)
     session.run("python", "packages/kernels-cuda/bench/bench_gpu.py", *session.posargs)
+
+
+@nox.session(name="bench-dist", reuse_venv=True)
+def bench_dist(session: nox.Session) -> None:
+    """Two data-parallel MPI ranks against one process on this machine's cores (benchmarks/dist.py)."""
+    _install_editable(session)
+    session.run("python", "benchmarks/dist.py", *session.posargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ pytest.importorskip("kiln.dsl", reason="kiln train builds its model with kiln-ds
 from kiln.hf import save_tokenizer, train_bpe_tokenizer
 
 
-def write_run(folder: Path, name: str, batch_size: int = 4) -> Path:
+def write_run(folder: Path, name: str, batch_size: int = 4, steps: int = 4) -> Path:
     from pydoc_data.topics import topics
 
     text = folder / "text.txt"
@@ -36,7 +37,7 @@ tokenizer = "tokenizer"
 separator = "\\n\\n"
 [train]
 output_dir = "out-{name}"
-steps = 4
+steps = {steps}
 batch_size = {batch_size}
 seq_len = 16
 eval_every = 2
@@ -68,8 +69,9 @@ def test_two_ranks_train_as_one_process(tmp_path: Path) -> None:
         for key in ("loss", "eval_loss", "grad_norm"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-5), (x["step"], key)
-    # rank 1 keeps its own checkpoints (its optimizer state) beside rank 0's run folder
-    assert (tmp_path / "out-two" / "ranks" / "1" / "checkpoints").is_dir()
+    # rank 0 alone writes: the run folder holds what a one-process run's holds
+    names = [{p.name for p in (tmp_path / out).iterdir()} for out in ("out-one", "out-two")]
+    assert names[0] == names[1]
     import safetensors.numpy
 
     w1 = safetensors.numpy.load_file(str(tmp_path / "out-one" / "model" / "model.safetensors"))
@@ -84,3 +86,19 @@ def test_a_batch_the_ranks_cannot_share_is_refused_before_any_rank_starts(tmp_pa
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "train.batch_size" in done.stderr and "--nproc 2" in done.stderr
     assert not (tmp_path / "out-odd").exists()
+
+
+@pytest.mark.parametrize(("first", "then"), [("2", "1"), ("1", "2")], ids=["2-then-1", "1-then-2"])
+def test_a_run_resumes_on_another_number_of_ranks(tmp_path: Path, first: str, then: str) -> None:
+    reference, run = write_run(tmp_path, "ref", steps=6), write_run(tmp_path, "run", steps=6)
+    assert kiln(str(reference), cwd=tmp_path).returncode == 0
+    assert kiln(str(run), "--nproc", first, cwd=tmp_path).returncode == 0
+    checkpoints = tmp_path / "out-run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000006")  # as if stopped after step 4
+    done = kiln(str(run), "--resume", "--nproc", then, cwd=tmp_path)
+    assert done.returncode == 0 and "resuming from" in done.stdout and "(step 4)" in done.stdout, done.stderr
+    a, b = records(tmp_path / "out-ref"), records(tmp_path / "out-run")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4, 5, 6]
+    for x, y in zip(a, b, strict=True):
+        if "loss" in x:
+            assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]

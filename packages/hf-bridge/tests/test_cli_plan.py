@@ -95,3 +95,12 @@ def test_errors_do_not_point_at_kilns_source(capsys: pytest.CaptureFixture[str])
     assert code == 2 and "config value d_model of Qwen3Model: expected int, found str 'wide'" in err, err
     assert "undefined dimension" not in err
     assert not any(root in err for root in kiln.__path__), err
+
+
+def test_what_no_model_source_reads_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = plan(capsys, "Qwen3Modle")
+    assert code == 2 and "no kiln-dsl model is named 'Qwen3Modle' (did you mean 'Qwen3Model'?)" in err, err
+    code, _, err = plan(capsys, str(tmp_path / "weights.bin"))
+    assert code == 2 and "no installed model source reads" in err, err
+    sources = ("IR Bundle .json files", "kiln-dsl model names", "HF checkpoint folders", "kiln train configs")
+    assert all(what in err for what in sources), err

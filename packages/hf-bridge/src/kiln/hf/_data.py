@@ -105,7 +105,75 @@ def _tokenize(files: list[Path], tokenizer: Tokenizer, eos: int, separator: str 
         flush()
 
 
-class PackedDataset:
+class Batches:
+    """What the datasets share: the rows ``_first .. _first + _count`` of a split, shuffled each epoch
+    by ``(seed, epoch)``, in batches of ``batch_size`` rows; :meth:`state` / :meth:`load_state` resume.
+
+    A subclass sets ``batch_size``, ``seed``, ``shuffle``, ``drop_last``, ``_first`` and ``_count``,
+    calls :meth:`_rewind`, and gives ``_rows`` (the batch of some row indices) and ``_fingerprint``.
+    """
+
+    batch_size: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    _first: int
+    _count: int
+
+    def _rewind(self) -> None:
+        self._epoch, self._batch = 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _fingerprint(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def num_sequences(self) -> int:
+        return self._count
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch + (self._batch >= len(self))
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(self._count, self.batch_size)
+        return full + (bool(rest) and not self.drop_last)
+
+    def state(self) -> dict[str, Any]:
+        """Where iteration resumes: the epoch and the batch within it (JSON-serialisable)."""
+        epoch, batch = (self._epoch + 1, 0) if self._batch >= len(self) else (self._epoch, self._batch)
+        return {"epoch": epoch, "batch": batch, "fingerprint": self._fingerprint()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state` of a dataset over the same files and settings."""
+        if not isinstance(state, dict) or state.get("fingerprint") != self._fingerprint():
+            raise DataError("this state comes from a dataset over other files, tokenizer or settings")
+        epoch, batch = state["epoch"], state["batch"]
+        if not (isinstance(epoch, int) and isinstance(batch, int) and epoch >= 0 and 0 <= batch <= len(self)):
+            raise DataError(f"state position epoch={epoch!r}, batch={batch!r} is out of range")
+        self._epoch, self._batch = epoch, batch
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        if self._batch >= len(self):
+            self._epoch, self._batch = self._epoch + 1, 0
+        epoch = self._epoch
+        if self._order is None or self._order[0] != epoch:
+            order = np.arange(self._first, self._first + self._count)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(order)
+            self._order = (epoch, order)
+        order = self._order[1]
+        while self._epoch == epoch and self._batch < len(self):
+            rows = order[self._batch * self.batch_size:(self._batch + 1) * self.batch_size]
+            self._batch += 1
+            yield self._rows(rows)
+
+
+class PackedDataset(Batches):
     """Batches ``{"input_ids", "labels"}`` (int64 ``[batch_size, seq_len]``) from text files, packed
     (then with ``position_ids`` that restart per document) or one document per row.
 
@@ -212,8 +280,7 @@ class PackedDataset:
                 raise DataError(f"{windows} sequence(s) of {self.seq_len} tokens cannot be split for "
                                 "validation")
         self._first, self._count = (0, windows - held) if self.split == "train" else (windows - held, held)
-        self._epoch, self._batch = 0, 0
-        self._order: tuple[int, np.ndarray] | None = None
+        self._rewind()
 
     def validation(self) -> PackedDataset:
         """This dataset over its held-out sequences (same tokens, settings and seed), at epoch 0.
@@ -229,10 +296,6 @@ class PackedDataset:
         return other
 
     @property
-    def num_sequences(self) -> int:
-        return self._count
-
-    @property
     def efficiency(self) -> float:
         """The share of this split's row positions that hold a token rather than padding."""
         first, end = self._first, self._first + self._count
@@ -242,49 +305,11 @@ class PackedDataset:
             pairs = int(self._table[1][first:end].sum())
         return pairs / max(1, self._count * self.seq_len)
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch + (self._batch >= len(self))
-
-    def __len__(self) -> int:
-        """Batches per epoch."""
-        full, rest = divmod(self._count, self.batch_size)
-        return full + (bool(rest) and not self.drop_last)
-
-    def state(self) -> dict[str, Any]:
-        """Where iteration resumes: the epoch and the batch within it (JSON-serialisable)."""
-        epoch, batch = (self._epoch + 1, 0) if self._batch >= len(self) else (self._epoch, self._batch)
-        return {"epoch": epoch, "batch": batch, "fingerprint": self._fingerprint()}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state` of a dataset over the same files and settings."""
-        if not isinstance(state, dict) or state.get("fingerprint") != self._fingerprint():
-            raise DataError("this state comes from a dataset over other files, tokenizer or settings")
-        epoch, batch = state["epoch"], state["batch"]
-        if not (isinstance(epoch, int) and isinstance(batch, int) and epoch >= 0 and 0 <= batch <= len(self)):
-            raise DataError(f"state position epoch={epoch!r}, batch={batch!r} is out of range")
-        self._epoch, self._batch = epoch, batch
-
     def _fingerprint(self) -> str:
         settings = [self._key, self.seq_len, self.batch_size, self.seed, self.shuffle, self.drop_last,
                     self.validation_fraction, self.split, *([] if self.packing else ["unpacked"]),
                     *([] if self.ignore_index == IGNORE_INDEX else [self.ignore_index])]
         return hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        if self._batch >= len(self):
-            self._epoch, self._batch = self._epoch + 1, 0
-        epoch = self._epoch
-        if self._order is None or self._order[0] != epoch:
-            order = np.arange(self._first, self._first + self._count)
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(order)
-            self._order = (epoch, order)
-        order = self._order[1]
-        while self._epoch == epoch and self._batch < len(self):
-            rows = order[self._batch * self.batch_size:(self._batch + 1) * self.batch_size]
-            self._batch += 1
-            yield self._rows(rows)
 
     def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         t = self.seq_len

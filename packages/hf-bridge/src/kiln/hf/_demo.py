@@ -1,10 +1,14 @@
 """``kiln demo``: kiln's main job end to end on the NumPy backend, with nothing to download.
 
-1. Text: the help topics of Python's ``help()`` (``pydoc_data.topics``), and for the LoRA phase the
-   docstrings of Python's built-in functions and types; both ship with every Python.
+1. Text: the help topics of Python's ``help()`` (``pydoc_data.topics``) and the docstrings of
+   Python's built-in functions and types, both of which ship with every Python; and for the LoRA
+   phase, kiln's own small instruction set (``demo_data/instructions.jsonl``: questions about
+   Python and their answers, as chat records).
 2. ``kiln train`` from scratch: a BPE tokenizer and a tiny Qwen3 under the automatic recompute
    planner; eval loss before and after, the plan, an HF checkpoint, a greedy continuation.
-3. ``kiln train`` in LoRA mode on that checkpoint (with kiln-peft): a PEFT adapter.
+3. ``kiln train`` in LoRA mode on that checkpoint (with kiln-peft) on the chat records, rendered with
+   the built-in ``zephyr`` chat template, the loss on the answers only: a PEFT adapter, and the
+   adapted model's answer to a question.
 
 Everything goes to ``./kiln-demo/``, including the two configs, which ``kiln train`` runs again.
 """
@@ -25,16 +29,17 @@ from kiln.core import KilnError
 from kiln.hf._progress import duration
 
 PROMPT = 'The "for" statement is used to'
+QUESTION = "What does the built-in function len() do?"
 
 PRETRAIN = """\
-# kiln demo, phase 1: a tiny Qwen3 trained from scratch on Python's help topics.
+# kiln demo, phase 1: a tiny Qwen3 trained from scratch on Python's help topics and docstrings.
 # To train longer, raise steps and run: kiln train {root}/pretrain.toml --resume
 [model]
 name = "Qwen3Model"
 size = "tiny"
 
 [data]
-files = ["data/pydoc-topics.txt"]
+files = ["data/pydoc-topics.txt", "data/builtins-docstrings.txt"]
 vocab_size = 1024
 separator = "\\n\\n"
 
@@ -56,21 +61,24 @@ min_lr_ratio = 0.1
 """
 
 LORA = """\
-# kiln demo, phase 2: LoRA adapters on the phase-1 model, trained on the docstrings of Python's builtins.
+# kiln demo, phase 2: LoRA adapters on the phase-1 model, trained on questions about Python and their
+# answers (chat records in the zephyr chat template; the loss counts the answers only).
+# To see what it trains on: kiln data {root}/lora.toml
 # To train longer, raise steps and run: kiln train {root}/lora.toml --resume
 [model]
 checkpoint = "pretrain/model"
 
 [data]
-files = ["data/builtins-docstrings.txt"]
-separator = "\\n\\n"
+files = ["data/instructions.jsonl"]
+format = "chat"
+chat_template = "zephyr"
 
 [train]
 mode = "lora"
 output_dir = "lora"
 steps = {steps}
 batch_size = 8
-seq_len = 64
+seq_len = 128
 recompute = "auto"
 eval_every = {eval_every}
 checkpoint_every = {eval_every}
@@ -120,8 +128,10 @@ def builtins_docstrings() -> str:
     return text
 
 
-def greedy(model: Any, tokenizer: Any, prompt: str, tokens: int = 40, window: int = 64) -> str:
-    """``prompt``'s continuation, the most likely token each time, from repeated ``logits`` calls.
+def greedy(model: Any, tokenizer: Any, prompt: str, tokens: int = 40, window: int = 64,
+           stop: int | None = None) -> str:
+    """``prompt``'s continuation, the most likely token each time, from repeated ``logits`` calls,
+    up to ``tokens`` tokens or the token ``stop`` (not included).
 
     Every call has the shape ``[1, window]`` (the context left-aligned, padded after it: attention
     is causal, so the padding cannot change the logits read), so one Program serves all of them.
@@ -134,14 +144,25 @@ def greedy(model: Any, tokenizer: Any, prompt: str, tokens: int = 40, window: in
         x[0, :] = 0
         x[0, :len(ctx)] = ctx
         ids.append(int(np.argmax(model.logits(x)[0, len(ctx) - 1])))
+        if ids[-1] == stop:
+            ids.pop()
+            break
     return str(tokenizer.decode(ids[start:]))
 
 
-def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 60,
+def instructions() -> str:
+    """kiln's demo instruction set: chat records, one JSON object a line."""
+    from importlib.resources import files
+
+    return (files("kiln.hf") / "demo_data" / "instructions.jsonl").read_text(encoding="utf-8")
+
+
+def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 200,
          stream: TextIO | None = None) -> dict[str, Any]:
     """Run the demo in folder ``root`` (phase 1 for ``steps`` steps, phase 2 for ``lora_steps``).
 
-    Returns ``{"pretrain": <kiln train summary>, "lora": <summary or None>, "continuation": str}``.
+    Returns ``{"pretrain": <kiln train summary>, "lora": <summary or None>, "continuation": str,
+    "answer": <the adapted model's answer to QUESTION, or None>}``.
     Earlier demo runs in ``root`` are replaced.
     """
     from kiln.hf import from_pretrained, load_tokenizer
@@ -163,6 +184,7 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
     (root / "data").mkdir(parents=True, exist_ok=True)
     (root / "data" / "pydoc-topics.txt").write_text(pydoc_topics(), encoding="utf-8")
     (root / "data" / "builtins-docstrings.txt").write_text(builtins_docstrings(), encoding="utf-8")
+    (root / "data" / "instructions.jsonl").write_text(instructions(), encoding="utf-8")
     pretrain = root / "pretrain.toml"
     pretrain.write_text(PRETRAIN.format(root=root, steps=steps, eval_every=max(steps // 4, 1),
                                         warmup=max(steps // 15, 1)), encoding="utf-8")
@@ -172,7 +194,7 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
             raise Interrupted(summary["signal"], f"interrupted: the checkpoint {summary['checkpoint']} is "
                                                  f"kept; kiln train {config} --resume continues that phase")
 
-    heading("1. a tiny Qwen3 from scratch, on the text of Python's help() topics")
+    heading("1. a tiny Qwen3 from scratch, on Python's help() topics and docstrings")
     first = train(pretrain, stream=out)
     stopped(first, pretrain)
     model_dir = first["model"]
@@ -184,8 +206,8 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
     say(f"greedy continuation of {PROMPT!r}:")
     say(f"  {PROMPT}{text}".replace("\n", "\n  "))
 
-    second = None
-    heading("3. LoRA adapters on that checkpoint, on the docstrings of Python's builtins")
+    second = answer = None
+    heading("3. LoRA adapters on that checkpoint, on questions about Python and their answers")
     try:
         import kiln.peft  # noqa: F401
     except ImportError:
@@ -196,9 +218,13 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
                                     warmup=max(lora_steps // 10, 1)), encoding="utf-8")
         second = train(lora, stream=out)
         stopped(second, lora)
+        answer = ask(model_dir, second["adapter"], QUESTION)
+        heading("4. the adapted model, asked a question in the chat template it was trained on")
+        say(f"user: {QUESTION}")
+        say(f"assistant: {answer}".replace("\n", "\n  "))
 
     heading(f"done in {duration(time.perf_counter() - started)}: everything is in {root}/")
-    rows = [("data/", "the two training texts"),
+    rows = [("data/", "the training texts and the instruction set"),
             ("pretrain.toml" + (", lora.toml" if second else ""), "the configs of the two runs"),
             ("pretrain/model/", "the trained model: a HF checkpoint folder with its tokenizer"),
             ("pretrain/metrics.jsonl", "loss, eval loss, learning rate and gradient norm per step"),
@@ -208,7 +234,20 @@ def demo(root: str | Path = "kiln-demo", *, steps: int = 400, lora_steps: int = 
         rows += [("lora/adapter/", "the LoRA adapter, in PEFT's format"), ("lora/loss.png", "its loss curve")]
     for path, what in rows:
         say(f"  {path:<28} {what}")
-    return {"pretrain": first, "lora": second, "continuation": text}
+    return {"pretrain": first, "lora": second, "continuation": text, "answer": answer}
+
+
+def ask(model_dir: Path, adapter_dir: Path, question: str) -> str:
+    """The greedy answer of the model in ``model_dir`` with the LoRA adapter in ``adapter_dir`` to
+    ``question``, asked in the built-in ``zephyr`` template; up to the end-of-text token."""
+    from kiln.hf import BUILTIN_TEMPLATES, EOS_TOKEN, ChatTemplate, from_pretrained, load_tokenizer
+    from kiln.peft import PeftModel
+
+    model = PeftModel.from_pretrained(from_pretrained(model_dir), adapter_dir)
+    tokenizer = load_tokenizer(adapter_dir)
+    template = ChatTemplate(BUILTIN_TEMPLATES["zephyr"], specials={"eos_token": EOS_TOKEN})
+    prompt = template.render([{"role": "user", "content": question}], add_generation_prompt=True)[0]
+    return greedy(model, tokenizer, prompt, tokens=48, window=128, stop=tokenizer.token_to_id(EOS_TOKEN))
 
 
 def run(args: Any) -> int:

@@ -32,6 +32,17 @@ def _run_train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _configure_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the run's TOML config (see docs/training.md)")
+    p.add_argument("--samples", type=int, default=3, metavar="N", help="how many samples to show (default 3)")
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    from kiln.hf._preview import run
+
+    return run(args)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from kiln.hf._demo import run
 
@@ -50,5 +61,51 @@ def kiln_cli_commands(register: Callable[..., Any]) -> None:
     register("train", help="train a model as a TOML config says: from scratch or from a HF checkpoint, "
              "every weight or LoRA adapters",
              run=_run_train, configure=_configure_train)
+    register("data", help="show what a config trains on: counts, token statistics, packing efficiency "
+             "and the first samples, with the tokens left out of the loss set apart", run=_run_data,
+             configure=_configure_data)
     register("demo", help="train a tiny Qwen3 and a LoRA adapter on Python's own help texts, in ./kiln-demo "
              "(no downloads, about half a minute on a CPU)", run=_run_demo)
+
+
+class CheckpointFolders:
+    """A HF checkpoint folder as a model source: the model its ``config.json`` describes."""
+
+    what = "HF checkpoint folders"
+
+    def claims(self, arg: str) -> bool:
+        from pathlib import Path
+
+        return Path(arg).is_dir()
+
+    def load(self, arg: str, config: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        from kiln.core import KilnError
+        from kiln.hf._pretrained import config_bundle
+
+        if config is not None:
+            raise KilnError("--config applies to model names; a checkpoint's config.json sets its model")
+        return config_bundle(arg), {}
+
+
+class TrainConfigs:
+    """A ``kiln train`` config as a model source: its model and the settings of its training step."""
+
+    what = "kiln train configs (.toml)"
+
+    def claims(self, arg: str) -> bool:
+        return arg.endswith(".toml")
+
+    def load(self, arg: str, config: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        from kiln.core import KilnError
+        from kiln.hf._train import load_train_config
+
+        if config is not None:
+            raise KilnError("--config applies to model names; a train config's [model] sets its model")
+        plan: tuple[Any, dict[str, Any]] = load_train_config(arg).plan()
+        return plan
+
+
+@hookimpl
+def kiln_register_model_sources(registry: Any) -> None:
+    registry.register("hf-checkpoint", CheckpointFolders())
+    registry.register("train-config", TrainConfigs())

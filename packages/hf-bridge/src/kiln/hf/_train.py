@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -33,6 +35,7 @@ from kiln.hf import _checkpoint
 from kiln.hf._data import IGNORE_INDEX
 from kiln.hf._errors import DataError
 from kiln.hf._progress import Progress, duration
+from kiln.hf._tracking import TRACKERS, open_trackers
 
 #: DSL constructor arguments per size; the DSL ignores those a model does not take
 PRESETS: dict[str, dict[str, Any]] = {
@@ -48,7 +51,8 @@ _COMMON = {"tie_word_embeddings": True, "rope_theta": 10000.0, "num_experts": 4,
 MAX_SEQ = 2048
 #: keys a resumed run may change; any other change is refused
 _RESUMABLE = ("train.output_dir", "train.steps", "train.eval_every", "train.eval_batches",
-              "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every")
+              "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every",
+              "train.report_to")
 #: ``kiln train``'s exit codes for data errors and non-finite values (a config error exits 2, as every
 #: other KilnError; docs/training.md lists them all)
 EXIT_DATA, EXIT_NONFINITE = 3, 4
@@ -148,6 +152,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "files": Key("paths", REQUIRED),
         "tokenizer": Key("path"),
         "vocab_size": Key("int", 1024, check=_at_least(257)),
+        "format": Key("str", "text", ("text", "completion", "alpaca", "chat")),
+        "fields": Key("table", {}),
+        "roles": Key("table", {}),
+        "chat_template": Key("str", ""),
+        "train_on_prompt": Key("bool", False),
+        "too_long": Key("str", "truncate", ("truncate", "drop")),
         "separator": Key("str", ""),
         "packing": Key("bool", True),
         "ignore_index": Key("int", IGNORE_INDEX),
@@ -170,6 +180,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "keep_last": Key("int", 2, check=_at_least(1)),
         "keep_best": Key("int", 0, check=_at_least(0)),
         "log_every": Key("int", 10, check=_at_least(1)),
+        "report_to": Key("names", [], tuple(TRACKERS)),
     },
     "optimizer": {
         "name": Key("str", "adamw", lambda: _registered("optimizers")),
@@ -198,7 +209,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 _KINDS = {"int": "an int", "float": "a number", "str": "a string", "bool": "true or false", "path": "a path",
           "paths": "a path or a list of paths", "table": "a table",
           "groups": "a list of tables ([[optimizer.groups]] with params, roles, weight_decay, lr_scale)",
-          "targets": "a string or a list of strings",
+          "targets": "a string or a list of strings", "names": "a list of strings",
           "budget": "bytes (an int or a string such as \"64MiB\") or a fraction (0.5 or \"50%\")"}
 
 
@@ -293,6 +304,12 @@ def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> An
             raise bad(f"{e}; a group takes params, roles, weight_decay and lr_scale") from None
         except KilnError as e:
             raise bad(e.message) from None
+    if kind == "names":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise wrong
+        for v in value:
+            _value(key, attrs.evolve(spec, kind="str"), v, base, file)
+        return list(dict.fromkeys(value))
     if kind in ("paths", "targets"):
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
@@ -395,6 +412,7 @@ def _check_together(config: TrainConfig) -> None:
                                key="train.memory_budget", file=file,
                                hint="set recompute = \"auto\", or remove memory_budget")
     _check_output_dir(t["output_dir"], file)
+    _check_data(config)
     if ckpt is not None:
         if not (ckpt / "config.json").is_file():
             raise TrainConfigError(f"{str(ckpt)!r} is not a HF checkpoint folder (it has no config.json)",
@@ -429,6 +447,78 @@ def _check_together(config: TrainConfig) -> None:
     elif "lora" in config.given:
         raise TrainConfigError("the [lora] section applies only with train.mode = \"lora\"", key="lora",
                                file=file)
+
+
+def _check_data(config: TrainConfig) -> None:
+    """The ``[data]`` keys of instruction and chat data, and the trackers of ``train.report_to``."""
+    from kiln.hf._chat import BUILTIN_TEMPLATES
+    from kiln.hf._samples import FIELDS, ROLES
+    from kiln.hf._tracking import TRACKERS, missing
+
+    file, data, given = config.file, config["data"], config.given.get("data", frozenset())
+    fmt = data["format"]
+    absent = missing(config["train"]["report_to"])
+    if absent:
+        raise TrainConfigError(f"{absent[0]!r} needs {TRACKERS[absent[0]]}, which is not installed",
+                               key="train.report_to", file=file, hint=f"pip install 'kiln-hf[{absent[0]}]'")
+    only = {"fields": ("completion", "alpaca", "chat"), "train_on_prompt": ("completion", "alpaca", "chat"),
+            "too_long": ("completion", "alpaca", "chat"), "roles": ("chat",), "chat_template": ("chat",),
+            "separator": ("text",)}
+    for key, formats in only.items():
+        if key in given and fmt not in formats:
+            raise TrainConfigError(f"applies only with data.format = {' or '.join(map(repr, formats))} "
+                                   f"(format is {fmt!r})", key=f"data.{key}", file=file)
+    if fmt == "text":
+        return
+    for key, value in data["fields"].items():
+        if key not in FIELDS[fmt]:
+            raise _unknown(f"data.fields.{key}", list(FIELDS[fmt]), f"field of the {fmt!r} format", file)
+        if not isinstance(value, str):
+            raise TrainConfigError(f"expected the name of a field, found {type(value).__name__} {value!r}",
+                                   key=f"data.fields.{key}", file=file)
+    for key, value in data["roles"].items():
+        if value not in ROLES:
+            raise TrainConfigError(f"{value!r} is not one of {', '.join(map(repr, ROLES))}",
+                                   key=f"data.roles.{key}", file=file)
+    for path in data["files"]:
+        suffix = path.suffix.lower()
+        if suffix not in (".jsonl", ".json", ".parquet"):
+            raise TrainConfigError(f"{str(path)!r}: a {fmt!r} data file is JSONL (.jsonl) or Parquet "
+                                   "(.parquet)", key="data.files", file=file)
+        if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+            raise TrainConfigError(f"{str(path)!r}: reading Parquet needs pyarrow, which is not installed",
+                                   key="data.files", file=file, hint="pip install 'kiln-hf[parquet]'")
+    name = data["chat_template"]
+    if fmt != "chat":
+        return
+    if name and name not in BUILTIN_TEMPLATES:
+        close = difflib.get_close_matches(name, list(BUILTIN_TEMPLATES), n=1)
+        raise TrainConfigError(f"{name!r} is not a built-in template" + (f" (did you mean {close[0]!r}?)"
+                                                                          if close else ""),
+                               key="data.chat_template", file=file,
+                               hint=f"built-in templates: {', '.join(BUILTIN_TEMPLATES)}; leave it out to "
+                                    "use the tokenizer's own")
+    if not name and _template_source(config) is None:
+        raise TrainConfigError("is needed: the tokenizer has no chat template of its own "
+                               "(tokenizer_config.json or chat_template.jinja)", key="data.chat_template",
+                               file=file,
+                               hint=f"name a built-in template: {', '.join(BUILTIN_TEMPLATES)}")
+
+
+def _tokenizer_folder(config: TrainConfig) -> Path | None:
+    """The folder of the run's given tokenizer (``data.tokenizer`` or the checkpoint's), if any."""
+    source = config["data"]["tokenizer"] or config["model"]["checkpoint"]
+    if source is None:
+        return None
+    return source if source.is_dir() else source.parent
+
+
+def _template_source(config: TrainConfig) -> str | None:
+    """The chat template the config's tokenizer folder holds, if any."""
+    from kiln.hf._chat import checkpoint_template
+
+    folder = _tokenizer_folder(config)
+    return None if folder is None else checkpoint_template(folder)
 
 
 def _check_output_dir(out: Path, file: Path | None) -> None:
@@ -507,6 +597,99 @@ def _lora_config(config: TrainConfig) -> Any:
         key = getattr(e, "key", None)
         raise TrainConfigError(e.message, key=f"lora.{key}" if key else "lora", file=config.file,
                                hint=e.hint) from None
+
+
+# -- the tokenizer and the data of a run (kiln train, kiln data)
+
+
+def build_tokenizer(config: TrainConfig, say: Callable[[str], None]) -> tuple[Any, str]:
+    """The run's tokenizer and its EOS token: ``data.tokenizer``, the checkpoint's, or a byte-level BPE
+    tokenizer trained on the data (on the text of its records, with the tokens a built-in chat
+    template needs)."""
+    from kiln.hf import load_tokenizer, train_bpe_tokenizer
+
+    data = config["data"]
+    folder = _tokenizer_folder(config)
+    if folder is not None:
+        return load_tokenizer(data["tokenizer"] or folder), _eos_token(folder)
+    start, eos = time.perf_counter(), _eos_token(None)
+    if data["format"] == "text":
+        for file in data["files"]:  # the tokenizers library reports bad bytes without naming the file
+            _check_utf8(file)
+        tok = train_bpe_tokenizer(data["files"], data["vocab_size"])
+    else:
+        from kiln.hf._chat import BUILTIN_TOKENS
+        from kiln.hf._samples import read_records, record_text
+
+        template = chat_template(config, eos)
+        records = read_records(data["files"], data["format"], fields=data["fields"], roles=data["roles"])
+        with tempfile.TemporaryDirectory(prefix="kiln-texts-") as tmp:
+            texts = Path(tmp) / "texts.txt"
+            texts.write_text("\n\n".join(record_text(r, template) for r in records), encoding="utf-8")
+            tok = train_bpe_tokenizer([texts], data["vocab_size"],
+                                      special_tokens=(eos, *BUILTIN_TOKENS.get(data["chat_template"], ())))
+    say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on {len(data['files'])} file(s) "
+        f"in {time.perf_counter() - start:.1f}s")
+    return tok, eos
+
+
+def chat_template(config: TrainConfig, eos: str) -> Any:
+    """The :class:`~kiln.hf.ChatTemplate` of a ``chat`` run (None for other formats): the built-in one
+    ``data.chat_template`` names, else the tokenizer's own; it sees the tokenizer's special tokens."""
+    from kiln.hf._chat import BUILTIN_TEMPLATES, ChatTemplate, special_tokens, tokenizer_config
+
+    name = config["data"]["chat_template"]
+    if config["data"]["format"] != "chat":
+        return None
+    folder = _tokenizer_folder(config)
+    specials = {**(special_tokens(tokenizer_config(folder)) if folder is not None else {}), "eos_token": eos}
+    if name:
+        return ChatTemplate(BUILTIN_TEMPLATES[name], specials=specials, name=f"chat template {name!r}")
+    return ChatTemplate(_template_source(config) or "", specials=specials,
+                        name=f"the chat template of {folder}")
+
+
+def build_dataset(config: TrainConfig, tokenizer: Any, eos: str, template: Any,
+                  cache_dir: Path | None) -> Any:
+    """The run's dataset: a :class:`~kiln.hf.PackedDataset` of text, or a :class:`~kiln.hf.SampleDataset`
+    of records, in batches of ``train.batch_size * train.grad_accum_steps`` rows."""
+    from kiln.hf import PackedDataset, SampleDataset
+    from kiln.hf._chat import BUILTIN_TOKENS
+
+    data, t = config["data"], config["train"]
+    common = {"seq_len": t["seq_len"], "batch_size": t["batch_size"] * t["grad_accum_steps"],
+              "eos_token": eos, "seed": data["seed"], "validation_fraction": data["validation_fraction"],
+              "drop_last": True, "packing": data["packing"], "ignore_index": data["ignore_index"]}
+    if data["format"] == "text":
+        return PackedDataset(data["files"], tokenizer, separator=data["separator"] or None,
+                             cache_dir=cache_dir, **common)
+    for token in BUILTIN_TOKENS.get(data["chat_template"], ()):
+        if tokenizer.token_to_id(token) is None:
+            raise TrainConfigError(f"the template {data['chat_template']!r} needs the token {token!r}, which "
+                                   "the tokenizer does not have", key="data.chat_template", file=config.file,
+                                   hint="choose a template whose tokens the tokenizer has (zephyr needs "
+                                        "none)")
+    return SampleDataset(data["files"], tokenizer, format=data["format"], template=template,
+                         fields=data["fields"], roles=data["roles"], train_on_prompt=data["train_on_prompt"],
+                         too_long=data["too_long"], **common)
+
+
+def data_summary(config: TrainConfig, ds: Any) -> str:
+    """What the data line of ``kiln train`` and ``kiln data`` says about a dataset."""
+    data, t = config["data"], config["train"]
+    batches = (f"{ds.num_sequences:,} training sequences of {t['seq_len']} ({len(ds):,} batches of "
+               f"{t['batch_size']} per epoch), {ds.validation().num_sequences:,} held out")
+    if data["format"] == "text":
+        how = "documents packed" if data["packing"] else "one document per sequence"
+        return (f"{len(ds.tokens):,} tokens in {len(data['files'])} file(s), {batches}; {how}: "
+                f"{ds.efficiency:.1%} of the positions hold tokens")
+    s = ds.stats
+    dropped = s["dropped_too_long"] + s["dropped_untrained"]
+    how = "samples packed" if data["packing"] else "one sample per sequence"
+    return (f"{s['records']:,} {data['format']} records in {len(data['files'])} file(s): {s['samples']:,} "
+            f"samples of {s['min_tokens']}-{s['max_tokens']} tokens ({s['truncated']} truncated to seq_len, "
+            f"{dropped} dropped), {s['tokens']:,} tokens, {s['trained_tokens'] / s['tokens']:.0%} of them "
+            f"trained; {batches}; {how}: {ds.efficiency:.1%} of the positions hold tokens")
 
 
 # -- models trained from scratch
@@ -733,8 +916,12 @@ def first_nonfinite(model: Any, batch: Mapping[str, Any], parameters: Mapping[st
 class _Metrics:
     """``metrics.jsonl``; resuming first cuts it back to the checkpoint's step."""
 
-    def __init__(self, path: Path, keep_until: int) -> None:
-        kept = []
+    def __init__(self, path: Path | None, keep_until: int, trackers: Sequence[Any] = ()) -> None:
+        kept: list[dict[str, Any]] = []
+        self.records, self.trackers = kept, trackers  # trackers get every record too
+        self._file: TextIO | None = None
+        if path is None:  # a data-parallel rank other than 0: records kept, nothing written
+            return
         if path.is_file():
             for line in path.read_text(encoding="utf-8").splitlines():
                 with contextlib.suppress(ValueError):  # a line a crash cut short
@@ -744,16 +931,21 @@ class _Metrics:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, path)
-        self.records = kept
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        for tracker in self.trackers:
+            tracker.write(record)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _replace_dir(final: Path, fill: Callable[[Path], Any]) -> Path:
@@ -824,17 +1016,17 @@ class _Run:
         self.c, self.resume, self.debug_nans, self.stream = config, resume, debug_nans, stream
         train = config["train"]
         self.dp = _data_parallel(config)
+        # rank 0 writes the run folder; the other data-parallel ranks, whose weights and optimizer
+        # state are the same, read its checkpoints and write and print nothing
         self.rank = 0 if self.dp is None else self.dp.communicator.rank
-        # rank 0 writes the run folder and the output; rank r keeps its own (its checkpoints hold its
-        # optimizer state) in output_dir/ranks/r, and prints nothing
-        out = Path(train["output_dir"])
-        self.dir = out / "ranks" / str(self.rank) if self.rank else out
+        self.dir = Path(train["output_dir"])
         if self.rank:
             self.stream = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the run)
         self.ckpts = self.dir / "checkpoints"
         self.steps, self.mode = train["steps"], train["mode"]
         self.progress: Progress | None = None
         self.bundle: Any = None
+        self.template: Any = None  # the chat template of chat data
         self.training = False  # between the first step and the last: a signal stops at a step's end
         self.stop = 0  # the signal that asked the run to stop
         self.elapsed = 0.0  # seconds spent by the processes before this one
@@ -852,47 +1044,41 @@ class _Run:
     # -- setup
 
     def tokenizer(self) -> tuple[Any, str]:
-        from kiln.hf import load_tokenizer, save_tokenizer, train_bpe_tokenizer
+        from kiln.hf import load_tokenizer
 
-        data, ckpt = self.c["data"], self.c["model"]["checkpoint"]
         saved = self.dir / "tokenizer"
         if self.resume and (saved / "tokenizer.json").is_file():
-            return load_tokenizer(saved), _eos_token(saved)
-        source = data["tokenizer"] or ckpt
-        if source is not None:
-            tok, eos = load_tokenizer(source), _eos_token(source if source.is_dir() else source.parent)
+            tok, eos = load_tokenizer(saved), _eos_token(saved)
         else:
-            start = time.perf_counter()
-            for file in data["files"]:  # the tokenizers library reports bad bytes without naming the file
-                _check_utf8(file)
-            tok, eos = train_bpe_tokenizer(data["files"], data["vocab_size"]), _eos_token(None)
-            self.say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens, trained on "
-                     f"{len(data['files'])} file(s) in {time.perf_counter() - start:.1f}s")
-        _replace_dir(saved, lambda d: save_tokenizer(tok, d, eos_token=eos))
+            tok, eos = build_tokenizer(self.c, self.say)
+        self.template = chat_template(self.c, eos)
+        if not self.rank:
+            _replace_dir(saved, lambda d: self.save_tokenizer(tok, d, eos))
         return tok, eos
 
-    def data(self, tokenizer: Any, eos: str) -> None:
-        from kiln.hf import PackedDataset
+    def save_tokenizer(self, tokenizer: Any, folder: Path, eos: str) -> None:
+        """The tokenizer's files, with the chat template in ``tokenizer_config.json`` (where transformers'
+        ``apply_chat_template`` reads it)."""
+        from kiln.hf import save_tokenizer
 
-        data, t = self.c["data"], self.c["train"]
-        self.ds = PackedDataset(data["files"], tokenizer, seq_len=t["seq_len"],
-                                batch_size=t["batch_size"] * t["grad_accum_steps"],
-                                eos_token=eos, separator=data["separator"] or None, seed=data["seed"],
-                                validation_fraction=data["validation_fraction"], drop_last=True,
-                                cache_dir=self.dir / "cache", packing=data["packing"],
-                                ignore_index=data["ignore_index"])
+        save_tokenizer(tokenizer, folder, eos_token=eos)
+        if self.template is not None:
+            file = folder / "tokenizer_config.json"
+            config = json.loads(file.read_text(encoding="utf-8"))
+            file.write_text(json.dumps({**config, "chat_template": self.template.source}, indent=2) + "\n",
+                            encoding="utf-8")
+
+    def data(self, tokenizer: Any, eos: str) -> None:
+        t = self.c["train"]
+        self.ds = build_dataset(self.c, tokenizer, eos, self.template, self.dir / "cache")
         if len(self.ds) == 0:
             raise DataError(f"the data holds {self.ds.num_sequences} training sequences of "
                             f"{t['seq_len']} tokens, fewer than one step's "
                             f"{t['batch_size'] * t['grad_accum_steps']} (train.batch_size x "
                             "train.grad_accum_steps)",
-                            hint="add text to data.files, or lower train.batch_size, grad_accum_steps or "
+                            hint="add data to data.files, or lower train.batch_size, grad_accum_steps or "
                                  "seq_len")
-        how = "documents packed" if data["packing"] else "one document per sequence"
-        self.say(f"data: {len(self.ds.tokens):,} tokens in {len(data['files'])} file(s), "
-                 f"{self.ds.num_sequences:,} training sequences of {t['seq_len']} ({len(self.ds):,} "
-                 f"batches of {t['batch_size']} per epoch), {self.ds.validation().num_sequences:,} held out; "
-                 f"{how}: {self.ds.efficiency:.1%} of the positions hold tokens")
+        self.say(f"data: {data_summary(self.c, self.ds)}")
 
     def build_model(self, vocab_size: int) -> Any:
         from kiln.core import Model
@@ -938,6 +1124,8 @@ class _Run:
     # -- checkpoints
 
     def save(self, step: int, eval_loss: float | None = None) -> Path:
+        if self.rank:  # rank 0 saves the state every rank holds
+            return self.ckpts
         state = self.model.state_dict()
         opt = state["optimizer"]
         trainable = self.model.trainable
@@ -1044,7 +1232,7 @@ class _Run:
         try:
             return self.stages()
         except BaseException as e:  # a failed or interrupted run: no half-made output folder
-            if created and not _checkpoint.checkpoints(self.ckpts):
+            if created and not self.rank and not _checkpoint.checkpoints(self.ckpts):
                 shutil.rmtree(created, ignore_errors=True)
             if isinstance(e, KeyboardInterrupt):
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
@@ -1064,13 +1252,16 @@ class _Run:
         except OSError as e:
             raise TrainConfigError(f"cannot be created: {e.strerror or e}", key="train.output_dir",
                                    file=self.c.file) from None
-        _checkpoint.clean(self.ckpts)
+        if not self.rank:
+            _checkpoint.clean(self.ckpts)
         tokenizer, eos = self.tokenizer()
         self.data(tokenizer, eos)
         self.model = self.build_model(tokenizer.get_vocab_size(with_added_tokens=True))
         self.say(plan_summary(self.model, self.c["train"]["batch_size"], self.c["train"]["seq_len"]))
         start = self.restore() if self.resume else 0
-        metrics = _Metrics(self.dir / "metrics.jsonl", start if start else -1)
+        trackers = [] if self.rank else open_trackers(self.c["train"]["report_to"], self.dir, start)
+        metrics = _Metrics(None if self.rank else self.dir / "metrics.jsonl", start if start else -1,
+                           trackers)
         try:
             self.training = True
             self.loop(start, metrics)
@@ -1080,6 +1271,9 @@ class _Run:
                 self.progress.close()
                 self.progress = None
             metrics.close()
+        if self.rank:  # rank 0 writes the outputs
+            return {"output_dir": self.dir, "losses": [r["loss"] for r in metrics.records if "loss" in r],
+                    "signal": self.stop or None}
         return self.finish(metrics.records, tokenizer, eos)
 
     def on_signal(self, signum: int, frame: Any) -> None:
@@ -1146,7 +1340,6 @@ class _Run:
                                     hint="lower optimizer.lr, or clip gradients with optimizer.max_grad_norm")
 
     def finish(self, records: list[dict[str, Any]], tokenizer: Any, eos: str) -> dict[str, Any]:
-        from kiln.hf import save_tokenizer
         from kiln.hf._plot import loss_curve
 
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -1160,7 +1353,8 @@ class _Run:
             "checkpoint": found[-1] if found else None, "best_checkpoint": _checkpoint.best(found),
             "interrupted": bool(self.stop), "signal": self.stop or None,
             "eval_loss_before": evals[0][1] if evals and evals[0][0] == 0 else None,
-            "eval_loss_after": evals[-1][1] if evals else None, "losses": [v for _, v in train]}
+            "eval_loss_after": evals[-1][1] if evals else None, "losses": [v for _, v in train],
+            "data": getattr(self.ds, "stats", None)}
         if self.stop:
             return summary
         if self.mode == "lora":
@@ -1168,7 +1362,7 @@ class _Run:
         else:
             model = self.model
             out = summary["model"] = _replace_dir(self.dir / "model", lambda d: save_pretrained(model, d))
-        save_tokenizer(tokenizer, out, eos_token=eos)
+        self.save_tokenizer(tokenizer, out, eos)
         if self.mode != "lora":
             _generation_config(out, tokenizer.token_to_id(eos))
         before, after = summary["eval_loss_before"], summary["eval_loss_after"]
@@ -1189,7 +1383,8 @@ def train(config: TrainConfig | str | Path | Mapping[str, Any], *, resume: bool 
     names the first op that produced a NaN or an infinity. Progress goes to ``stream`` (stdout).
     Returns a summary: ``output_dir``, ``model`` (or ``adapter``), ``tokenizer``, ``metrics``,
     ``loss_curve``, ``checkpoint`` (the newest), ``best_checkpoint`` (the lowest eval loss),
-    ``eval_loss_before``, ``eval_loss_after``, ``losses``, ``interrupted`` and ``signal`` (SIGINT or
+    ``eval_loss_before``, ``eval_loss_after``, ``losses``, ``data`` (the counts of a
+    :class:`~kiln.hf.SampleDataset`), ``interrupted`` and ``signal`` (SIGINT or
     SIGTERM stopped the run after a step: a checkpoint was saved, and no model). A signal at start-up,
     or a second one, raises :class:`Interrupted` at once.
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import math
 import sys
 import textwrap
 import traceback
@@ -168,46 +168,41 @@ PLAN_DEFAULTS: dict[str, Any] = {"mode": "full", "recompute": "dsl", "batch": 8,
                                  "passes": ()}
 
 
-def _kiln_hf(what: str) -> Any:
-    try:
-        return importlib.import_module("kiln.hf")
-    except ImportError:
-        raise KilnError(f"{what} needs kiln-hf, which is not installed", hint="pip install kiln-hf") from None
+class IRFileSource:
+    """kiln-core's model source (``kiln_register_model_sources``): an IR Bundle ``.json`` file."""
+
+    what = "IR Bundle .json files"
+
+    def claims(self, arg: str) -> bool:
+        return Path(arg).suffix == ".json"
+
+    def load(self, arg: str, config: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        from kiln.core.ir._ir import from_json
+
+        if config is not None:
+            raise KilnError("--config applies to model names; an IR file holds its model's config")
+        path = Path(arg)
+        if not path.is_file():
+            raise KilnError(f"no such IR file: {arg}")
+        return from_json(path.read_text(encoding="utf-8")), {}
 
 
 def _load_model(name: str, config: str | None) -> tuple[Any, dict[str, Any]]:
-    """The IR ``kiln plan`` plans and the settings its source gives (a train config gives them all)."""
-    from kiln.core.ir._ir import from_json
-
-    path = Path(name)
-    if config and (path.is_dir() or path.suffix == ".toml"):
-        raise KilnError("--config applies to kiln-dsl model names; "
-                        + ("a checkpoint's config.json" if path.is_dir() else "a train config's [model]")
-                        + " sets its model")
-    if path.is_dir():  # a HF checkpoint folder: its config.json, through kiln-hf
-        return _kiln_hf(f"{name!r} is a folder: planning a HF checkpoint").config_bundle(name), {}
-    if path.suffix == ".toml":  # a kiln train config: the model, shape and settings the run trains
-        config_of = _kiln_hf(f"{name!r}: planning a train config").load_train_config
-        bundle, settings = config_of(path).plan()
-        return bundle, settings
-    if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
-            raise KilnError(f"no such IR file: {name}")
-        return from_json(path.read_text(encoding="utf-8")), {}
-    cfg: dict[str, Any] = {}
+    """The IR ``kiln plan`` plans and the settings its source gives (a train config gives them all):
+    from the first registered model source that claims ``name``."""
+    cfg = None
     if config:
         text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
         cfg = _json_object(text, "--config is neither a JSON object nor a JSON file")
-    try:
-        dsl = importlib.import_module("kiln.dsl")
-    except ImportError:
-        raise KilnError(f"model {name!r}: registered model names come from kiln-dsl, which is not installed",
-                        hint="pip install kiln-dsl, or pass an IR Bundle .json file") from None
-    for key, close in dsl.unknown_config_keys(name, cfg):
-        raise KilnError(f"--config: {key!r} is not a config key of {name}"
-                        + (f" (did you mean {close!r}?)" if close else ""),
-                        hint=f"{name} takes {', '.join(dsl.config_keys(name) or [])}")
-    return dsl.build_bundle(name, cfg), {}
+    sources = get_registry("model_sources")
+    for key in sources:
+        if sources[key].claims(name):
+            loaded: tuple[Any, dict[str, Any]] = sources[key].load(name, cfg)
+            return loaded
+    read = "; ".join(sources[key].what for key in sources)
+    raise KilnError(f"no installed model source reads {name!r} (they read: {read})",
+                    hint="pip install kiln-dsl for model names, kiln-hf for checkpoint folders and train "
+                         "configs")
 
 
 def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
@@ -288,6 +283,15 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(n: int) -> str:
+    """``n`` bytes as a ``--budget`` in binary units, rounded up to 0.01 of the unit: passed back, it
+    admits a plan that keeps ``n`` bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{math.ceil(n * 100 / scale) / 100:.2f}{unit}"
+    return str(n)
+
+
 def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> None:
     from kiln.core.plan._program import measure
     from kiln.core.plan.recompute import _size, pareto, plan_context
@@ -296,11 +300,11 @@ def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> 
     rows = [("budget", "saved", "activations", "peak", "extra GFLOP", "matmul")]
     for pt in points:
         act = pt.peak or 0
-        rows.append((str(pt.bytes), _size(pt.bytes), _size(act), _size(act + fixed), f"{pt.flops / 1e9:.3f}",
-                     "yes" if pt.matmul else ""))
+        rows.append((_budget(pt.bytes), _size(pt.bytes), _size(act), _size(act + fixed),
+                     f"{pt.flops / 1e9:.3f}", "yes" if pt.matmul else ""))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     print()
-    print("auto plans (budget in saved bytes -> saved, activation peak, planned peak, extra FLOPs "
+    print("auto plans (a --budget that picks the plan -> saved, activation peak, planned peak, extra FLOPs "
           "per step):")
     for r in rows:
         print("  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))

@@ -1,10 +1,19 @@
-"""kiln-core's own subcommands, contributed through ``kiln_cli_commands``."""
+"""kiln-core's own subcommands and model source, contributed through ``kiln_cli_commands`` and
+``kiln_register_model_sources``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kiln.core.plugins import hookimpl
+
+
+@hookimpl
+def kiln_register_model_sources(registry: Any) -> None:
+    from kiln.core.cli._cli import IRFileSource
+
+    registry.register("ir", IRFileSource())
 
 
 @hookimpl

@@ -179,6 +179,27 @@ def kiln_register_communicators(registry: NamedRegistry[Any]) -> None:
     """
 
 
+@hookspec(historic=True)
+def kiln_register_model_sources(registry: NamedRegistry[Any]) -> None:
+    """Register model sources: what ``kiln plan MODEL`` can read a model from.
+
+    :param registry: The model-source registry; call ``registry.register(name, source)``.
+        ``source`` has ``what`` (a phrase for messages, e.g. "HF checkpoint folders"),
+        ``claims(arg)`` (whether it reads ``arg``, a path or a name from the command line) and
+        ``load(arg, config)``, which returns ``(bundle, settings)``: the model's IR, and the
+        training settings the source fixes (a ``kiln train`` config's ``mode``, ``recompute``,
+        ``batch``, ``seq``, ``passes``, ...; ``{}`` for none). ``config`` is the ``--config``
+        JSON object, or None; a source that takes none raises a ``KilnError`` when given one.
+        kiln-core reads IR ``.json`` files; kiln-dsl its registered model names; kiln-hf
+        checkpoint folders and ``kiln train`` configs. The first source (in registration order)
+        that claims ``arg`` reads it.
+
+    Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.5
+    """
+
+
 @hookspec
 def kiln_cli_commands(register: Callable[..., None]) -> None:
     """Add subcommands to the ``kiln`` command line.

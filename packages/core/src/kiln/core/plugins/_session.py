@@ -49,6 +49,7 @@ declare_kind("graph_passes", "kiln_register_graph_passes")
 declare_kind("weight_formats", "kiln_register_weight_formats")
 declare_kind("adapters", "kiln_register_adapters")
 declare_kind("communicators", "kiln_register_communicators")
+declare_kind("model_sources", "kiln_register_model_sources")
 
 
 def env_flag(name: str) -> bool:
