@@ -33,7 +33,7 @@ from kiln.core.ir import (
     parse_dim,
     verify,
 )
-from kiln.core.ir._ir import MEMORY_HINTS, MODULE_KINDS, RECOMPUTE_POLICIES, SCOPES, SHARE_POLICIES
+from kiln.core.ir._ir import MEMORY_HINTS, MODULE_KINDS, RECOMPUTE_POLICIES, SCOPES, SHARE_POLICIES, is_float
 from kiln.core.ops.library._linalg import OPS as LINALG_OPS
 
 # --- a deterministic op registry ------------------------------------------------------------------
@@ -109,7 +109,7 @@ def graphs(draw: st.DrawFn, name: str | None = None) -> Graph:
         if draw(st.booleans()):
             op_attrs["_note"] = draw(json_data)  # "_" attrs are annotations every op accepts
         kind = draw(st.sampled_from(["ident", "join", "split2", "matmul", "call"]))
-        two_d = sorted(n for n, (s, _) in types.items() if len(s) == 2)
+        two_d = sorted(n for n, (s, dt) in types.items() if len(s) == 2 and is_float(dt))  # matmul: floats
         if kind == "matmul" and two_d:
             src = draw(st.sampled_from(two_d))
             (m, kdim), dtype = types[src]

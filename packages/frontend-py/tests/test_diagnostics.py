@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from kiln.dsl import (
+    Activation,
     Array,
     B,
+    Dim,
     DSLError,
     Param,
     T,
@@ -19,6 +21,7 @@ from kiln.dsl import (
     build_bundle,
     compile_model,
     compile_model_for_hf,
+    extends,
     forward,
     fuse,
     graph,
@@ -337,6 +340,108 @@ def test_constraints_are_not_evaluated_as_python() -> None:
     assert compile_model(Hostile, {})["errors"][0]["code"] == "E026"
 
 
+def test_e015_integer_tensor_where_an_op_computes_in_floats() -> None:
+    @module
+    class IntActivation:
+        @forward
+        def forward(self, ids: Tensor[3, "int32"]) -> Tensor[3, F]:
+            with graph() as g:
+                return g.silu(ids)  # <E015>
+
+    d = check(compile_model(IntActivation, {}), "E015", "E015")
+    assert "'silu'" in d["message"] and "'x' is int32" in d["message"]
+
+    @module
+    class MixedAdd:
+        @forward
+        def forward(self, ids: Tensor[3, "int32"], x: Tensor[3, F]) -> Tensor[3, F]:
+            with graph() as g:
+                return g.add(x, ids)  # <E015-mixed>
+
+    d = check(compile_model(MixedAdd, {}), "E015", "E015-mixed")
+    assert "'b' is int32" in d["message"] and "'a' (fp32)" in d["message"]
+
+    @module
+    class IntMovesAndSums:  # integer data movement and arithmetic stay legal, as does a float op on ids
+        def __init__(self, V: int = 5, C: int = 4):
+            self.V, self.C = V, C
+
+        emb = Param(Tensor["V", "C", F])
+
+        @forward
+        def forward(self, ids: Tensor[2, 3, "int32"]) -> Tensor[6, "C", F]:
+            with graph() as g:
+                flat = g.view(g.transpose(ids, 0, 1), shape=[6])
+                shifted = g.add(flat, g.view(flat, shape=[6]))
+                return g.embedding(shifted, "emb")
+
+    payload = compile_model(IntMovesAndSums, {})
+    assert payload["success"] and not payload["warnings"], payload
+
+
+def test_e011_redefined_parameter_with_another_shape() -> None:
+    @module
+    class Projection:
+        def __init__(self, C: int = 4, O: int = 3):
+            self.C, self.O = C, O
+
+        w = Param(Tensor["O", "C", F])
+
+        @forward
+        def forward(self, x: Tensor["B", "C", F]) -> Tensor["B", "O", F]:
+            with graph() as g:
+                return g.matmul(x, "w", transpose="NT")
+
+    @module
+    @extends(Projection)
+    class SameShape:
+        w = Param(Tensor["O", "C", F], frozen=True)  # compatible: only its options change
+
+    assert compile_model(SameShape, {})["success"]
+
+    @module
+    @extends(Projection)
+    class Square:
+        w = Param(Tensor["C", "C", F])  # <E011>
+
+    d = check(compile_model(Square, {}), "E011", "E011")
+    assert "Square.w" in d["message"] and "Projection" in d["message"] and "'O'" in d["message"]
+
+    @module
+    @extends(Projection)
+    class Narrower:
+        w = Param(Tensor["O", "C", "bf16"])  # <E011-dtype>
+
+    check(compile_model(Narrower, {}), "E011", "E011-dtype")
+
+
+def test_e021_e014_recompute_op_checked_against_the_op_it_replays() -> None:
+    def mlp(op: str | None) -> type:
+        @block
+        class Mlp:
+            def __init__(self, C: int = 4, M: int = 3):
+                self.C, self.M, self.MUp = C, M, 2 * Dim("M")
+
+            up_weight = Param(Tensor["MUp", "C", F])
+            act = Activation(Tensor["B", "T", "M", F], recompute=True, recompute_op=op)  # <E021-op>
+            up = Activation(Tensor["B", "T", "MUp", F], save=True)
+
+            @forward
+            def forward(self, x: Tensor["B", "T", "C", F]) -> Tensor["B", "T", "M", F]:
+                with graph() as g:
+                    flat = g.matmul(g.view(x, shape=[B * T, "C"]), "up_weight", transpose="NT")
+                    up = g.view(flat, shape=[B, T, "MUp"], out_name="up")
+                    return g.swiglu(up, out_name="act")
+
+        return Mlp
+
+    assert compile_model(mlp("swiglu"), {})["success"]
+    d = check(compile_model(mlp("gelu"), {}), "E021", "E021-op")
+    assert "'gelu'" in d["message"] and "swiglu" in d["message"] and "'swiglu'" in d["hint"]
+    d = check(compile_model(mlp("no_such_op"), {}), "E014", "E021-op")
+    assert "'no_such_op'" in d["message"]
+
+
 # --- warnings ------------------------------------------------------------------------------------
 
 
@@ -353,6 +458,32 @@ def test_w001_definition_shadows_a_primitive() -> None:
 
     d = check(compile_model(swiglu, {}), "W001", "W001")
     assert "'swiglu'" in d["message"]
+
+
+def test_w005_implicit_dtype_narrowing() -> None:
+    @module
+    class Narrowing:
+        b = Param(Tensor[3, F])
+
+        @forward
+        def forward(self, x: Tensor[3, "bf16"]) -> Tensor[3, "bf16"]:
+            with graph() as g:
+                return g.add(x, "b")  # <W005>
+
+    d = check(compile_model(Narrowing, {}), "W005", "W005")
+    assert "'add'" in d["message"] and "'b'" in d["message"] and "fp32" in d["message"]
+    assert "bf16" in d["message"]
+
+    @module
+    class Widening:
+        b = Param(Tensor[3, "bf16"])
+
+        @forward
+        def forward(self, x: Tensor[3, F]) -> Tensor[3, F]:
+            with graph() as g:
+                return g.add(x, "b")
+
+    assert not compile_model(Widening, {})["warnings"]
 
 
 def test_w004_unused_saved_tensor() -> None:

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kiln.core import InferContext, KilnError, TensorType, op_registry
-from kiln.core.ir import DTYPES, DimExpr, Op
-from kiln.dsl._errors import DSLError, error, user_frame, user_location
+from kiln.core import InferContext, KilnError, OpDef, TensorType, op_registry
+from kiln.core.ir import DTYPES, DimExpr, Op, is_float
+from kiln.dsl._errors import DSLError, diag, error, user_frame, user_location
 
 if TYPE_CHECKING:
     from kiln.dsl._scope import Scope
@@ -280,6 +280,7 @@ class GraphBuilder:
             raise error(
                 exc.code or "E003", exc.message, exc.hint or f"the inputs are ({found})", loc
             ) from None
+        self._check_narrowing(opdef, refs, types, loc)
         outs = []
         for k in range(count):
             name = names[k] if k < len(names) else None
@@ -292,6 +293,32 @@ class GraphBuilder:
             ref.producer = index
         self._state.ops.append((op_type, refs, outs, clean, loc))
         return outs
+
+    def _check_narrowing(self, opdef: OpDef, refs: Sequence[GraphRef | None], types: Sequence[TensorType],
+                         loc: str | None) -> None:
+        """W005: a float input wider than every float result is rounded implicitly (an op with a ``dtype``
+        attribute states its result type, so it narrows explicitly)."""
+        if any(a.kind == "dtype" for a in opdef.attrs):
+            return
+        results = [DTYPES[t.dtype][0] for t in types if is_float(t.dtype)]
+        if not results:
+            return
+        for i, ref in enumerate(refs):
+            if ref is None or i in opdef.nondiff_inputs or not is_float(ref.dtype):
+                continue
+            if DTYPES[ref.dtype][0] > max(results):
+                narrow = next(t.dtype for t in types if is_float(t.dtype))
+                slot = opdef.inputs[min(i, len(opdef.inputs) - 1)].strip("*?")
+                what = repr(slot) + (f" ({ref.name!r})" if ref.explicit and ref.name != slot else "")
+                self._state.compiler.warnings.append(diag(
+                    "W005",
+                    f"op {opdef.name!r}: input {what} is {ref.dtype} but the result is {narrow}: the input "
+                    "is rounded to the narrower dtype implicitly",
+                    f"make both sides {narrow} where the tensor is declared, or keep the computation in "
+                    f"{ref.dtype}",
+                    loc,
+                ))
+                return
 
     def emit_call(
         self,
@@ -454,6 +481,25 @@ class GraphBuilder:
         )
         return res, y, rstd
 
+    def qk_norm(
+        self,
+        q: Any,
+        k: Any,
+        q_weight: Any,
+        k_weight: Any,
+        *,
+        eps: float = 1e-6,
+        q_name: str | None = None,
+        k_name: str | None = None,
+        q_rstd_name: str | None = None,
+        k_rstd_name: str | None = None,
+    ) -> tuple[GraphRef, GraphRef, GraphRef, GraphRef]:
+        """RMSNorm of each query and key head vector (last dim); returns (q_norm, k_norm, q_rstd, k_rstd)."""
+        q_norm, k_norm, q_rstd, k_rstd = self._emit(
+            "qk_norm", [q, k, q_weight, k_weight], {"eps": eps}, [q_name, k_name, q_rstd_name, k_rstd_name]
+        )
+        return q_norm, k_norm, q_rstd, k_rstd
+
     def layernorm(
         self,
         x: Any,
@@ -491,6 +537,12 @@ class GraphBuilder:
 
     def silu_mul(self, gate: Any, up: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("silu_mul", [gate, up], {}, out_name)
+
+    def geglu(
+        self, gate: Any, up: Any, *, approximate: str = "none", out_name: str | None = None
+    ) -> GraphRef:
+        """``gelu(gate) * up``: exact gelu, or its tanh approximation with ``approximate="tanh"``."""
+        return self._one("geglu", [gate, up], {"approximate": approximate}, out_name)
 
     # -- attention (§8.6) --
     def _heads(self, what: str, Hq: Any, Hkv: Any, D: Any) -> dict[str, Any]:
@@ -543,12 +595,16 @@ class GraphBuilder:
         causal: bool = True,
         softmax_scale: float | None = None,
         window_size: int | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
         out_name: str | None = None,
         lse_name: str | None = None,
     ) -> tuple[GraphRef, GraphRef]:
         """Attention on separate ``[B, T, H, D]`` q, k, v (kiln op ``attention``); ``segment_ids`` as in
-        :meth:`flash_attention`."""
-        attrs = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size}
+        :meth:`flash_attention`. ``softcap`` caps the logits (``c * tanh(s / c)``, Gemma-2) and ``alibi``
+        adds ALiBi's ``-slope_h * |p - j|``."""
+        attrs = {"causal": causal, "softmax_scale": softmax_scale, "window_size": window_size,
+                 "softcap": softcap, "alibi": alibi or None}
         ins = [q, k, v] if segment_ids is None else [q, k, v, segment_ids]
         out, lse = self._emit("attention", ins, attrs, [out_name, lse_name])
         return out, lse
@@ -656,6 +712,10 @@ class GraphBuilder:
     def add(self, a: Any, b: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("add", [a, b], {}, out_name)
 
+    def add3(self, a: Any, b: Any, c: Any, *, out_name: str | None = None) -> GraphRef:
+        """``a + b + c`` of one shape (a parallel residual: input, attention and MLP outputs)."""
+        return self._one("add3", [a, b, c], {}, out_name)
+
     def mul(self, a: Any, b: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("mul", [a, b], {}, out_name)
 
@@ -677,6 +737,28 @@ class GraphBuilder:
 
     def reciprocal(self, x: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("reciprocal", [x], {}, out_name)
+
+    # -- reductions (seed 004 §6.7: ``dims``, ``keepdim``) --
+    def _reduce(
+        self, op: str, x: Any, dims: int | Sequence[int], keepdim: bool, out_name: str | None
+    ) -> GraphRef:
+        axes = [dims] if isinstance(dims, int) else list(dims)
+        return self._one(op, [x], {"axes": axes, "keepdims": keepdim}, out_name)
+
+    def reduce_sum(self, x: Any, dims: int | Sequence[int], keepdim: bool = False, *,
+                   out_name: str | None = None) -> GraphRef:
+        """Sum over ``dims`` (kept as size 1 with ``keepdim``)."""
+        return self._reduce("reduce_sum", x, dims, keepdim, out_name)
+
+    def reduce_mean(self, x: Any, dims: int | Sequence[int], keepdim: bool = False, *,
+                    out_name: str | None = None) -> GraphRef:
+        """Mean over ``dims``."""
+        return self._reduce("reduce_mean", x, dims, keepdim, out_name)
+
+    def reduce_max(self, x: Any, dims: int | Sequence[int], keepdim: bool = False, *,
+                   out_name: str | None = None) -> GraphRef:
+        """Maximum over ``dims``; ties share the gradient evenly."""
+        return self._reduce("reduce_max", x, dims, keepdim, out_name)
 
     # -- embedding and loss (§8.9) --
     def embedding(self, token_ids: Any, weight: Any, *, padding_idx: int | None = None,
@@ -743,6 +825,34 @@ class GraphBuilder:
 
     def moe_sigmoid(self, logits: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("moe_sigmoid", [logits], {}, out_name)
+
+    def moe_router(
+        self,
+        x: Any,
+        gate: Any,
+        top_k: int,
+        normalize: bool = True,
+        *,
+        aux_loss_coef: float = 0.01,
+        use_sigmoid: bool = False,
+        weights_name: str | None = None,
+        indices_name: str | None = None,
+        aux_loss_name: str | None = None,
+    ) -> tuple[GraphRef, GraphRef, GraphRef]:
+        """Routing of ``[N, C]`` tokens by ``gate [E, C]``: returns (weights, indices, aux_loss), the
+        load-balancing loss already scaled by ``aux_loss_coef`` (add it to the model's loss)."""
+        attrs = {"top_k": top_k, "normalize": normalize, "aux_loss_coef": aux_loss_coef,
+                 "use_sigmoid": use_sigmoid}
+        w, idx, aux = self._emit("moe_router", [x, gate], attrs, [weights_name, indices_name, aux_loss_name])
+        return w, idx, aux
+
+    def grouped_gemm(
+        self, x: Any, weight: Any, offsets: Any, *, transpose: str = "NT", out_name: str | None = None
+    ) -> GraphRef:
+        """Rows ``offsets[g]:offsets[g + 1]`` of ``x`` times ``weight[g]`` (transposed for ``NT``, the
+        ``[G, O, I]`` layout); given :meth:`moe_permute`'s scatter indices, it reads their expert offsets."""
+        attrs = {"transpose": transpose}
+        return self._one("grouped_gemm", [x, weight, self._offsets(offsets)], attrs, out_name)
 
     def moe_topk(
         self,

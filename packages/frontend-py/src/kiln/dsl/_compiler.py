@@ -216,6 +216,7 @@ class _Compiler:
         specs = self.with_init(specs + state.extra_params, ops, scope)
         graph_params = decls + [TensorDecl(p.name, p.shape, p.dtype) for p in state.extra_params]
         layout = self.layout(builder, spec, scope, [d.name for d in inputs], specs) + state.extra_slots
+        self.check_replays(spec, state, {s.name for s in layout})
         hf_mappings = self.hf_mappings(spec, specs, scope)
         specs = [
             p.evolve(hf_mapping=hf_mappings[p.name])
@@ -326,7 +327,8 @@ class _Compiler:
                 raise error(
                     "E026",
                     f"invalid constraint {text!r}: {exc.reason}",
-                    "a constraint compares dimension expressions: + - * // %, == != < <= > >=, and, or, not",
+                    "a constraint compares dimension expressions (+ - * // %, min, max, ceil_div, sqrt) with "
+                    "== != < <= > >=, joined by and, or, not",
                     loc,
                 ) from None
             try:
@@ -406,6 +408,8 @@ class _Compiler:
                 )
             if not self.condition(p.when, obj, scope, p.loc):
                 continue
+            if name in spec.redefined:
+                self.check_redefinition(builder, spec, name, ptype)
             full = prefix + name
             condition = p.when if isinstance(p.when, str) and not prefix else None
             optional = p.optional or p.when is not None
@@ -489,6 +493,28 @@ class _Compiler:
             ref = builder.declare(full, TensorType(shape, ptype.dtype), "param", name)
             decls.append(TensorDecl(full, ref.shape, ref.dtype))
         return specs, decls
+
+    def check_redefinition(self, builder: GraphBuilder, spec: ModuleSpec, name: str, ptype: Any) -> None:
+        """E011: a parameter redefined by a subclass keeps the inherited shape and dtype."""
+        base, owner = spec.redefined[name]
+        btype = base.resolve_type() if isinstance(base, _ParamMethod) else base.type
+
+        def same(a: Any, b: Any) -> bool:
+            if not (isinstance(a, TensorAnnotation) and isinstance(b, TensorAnnotation)):
+                return bool(a == b)  # Array[...] stacks, or a base whose type is no annotation
+            return a.dtype == b.dtype and len(a.dims) == len(b.dims) and all(
+                dims_equal(builder.dim(x), builder.dim(y)) for x, y in zip(a.dims, b.dims, strict=True))
+
+        if same(ptype, btype):
+            return
+        where = f" (at {base.loc})" if base.loc else ""
+        raise error(
+            "E011",
+            f"{spec.name}.{name} is {ptype!r}, incompatible with the parameter it inherits from {owner}: "
+            f"{btype!r}{where}",
+            f"keep the inherited shape and dtype, or give the new parameter another name than {name!r}",
+            spec.params[name].loc,
+        )
 
     def lora_targets(
         self, builder: GraphBuilder, spec: ModuleSpec, p: Param, ptype: Any
@@ -880,6 +906,42 @@ class _Compiler:
                     f"slot {a.name}: recompute_attrs key {key!r} is not an attribute of op "
                     f"{a.recompute_op!r} (it takes {', '.join(takes) or 'none'})",
                     f"drop it; a note kiln should keep but not use is named '_{key}'",
+                    a.loc,
+                )
+
+    def check_replays(self, spec: ModuleSpec, state: _State, present: set[str]) -> None:
+        """A slot's ``recompute_op`` is the op that computes its tensor in the forward graph (looking
+        through views), a variant of that op, or its fused form (``matmul_bias`` for ``matmul``,
+        ``fused_residual_rmsnorm_apply_saved`` for ``fused_residual_rmsnorm``)."""
+        registry = op_registry()
+        producer = {r.name: (op_type, ins) for op_type, ins, outs, _, _ in state.ops for r in outs}
+
+        def computed_by(name: str) -> list[str]:
+            found = []
+            while name in producer:
+                op_type, ins = producer[name]
+                found.append(op_type)
+                if op_type not in registry or not registry[op_type].alias or not ins or ins[0] is None:
+                    break
+                name = ins[0].name
+            return found
+
+        def replays(declared: str, op_type: str) -> bool:
+            variants = [v[0] for v in registry[op_type].variants] if op_type in registry else []
+            return declared == op_type or declared in variants or declared.startswith(op_type + "_") or \
+                op_type.startswith(declared + "_")
+
+        for a in spec.activations.values():
+            if a.recompute_op is None or a.name not in present:
+                continue
+            found = [t for n in (a.name, *a.aliases, *a.recompute_outputs) for t in computed_by(n)]
+            computing = [t for t in dict.fromkeys(found) if t not in registry or not registry[t].alias]
+            if computing and not any(replays(a.recompute_op, t) for t in found):
+                raise error(
+                    "E021",
+                    f"slot {a.name}: recompute_op {a.recompute_op!r} does not replay the op that computes it "
+                    f"in the forward graph ({', '.join(computing)})",
+                    f"declare recompute_op={computing[0]!r}, the op the forward calls",
                     a.loc,
                 )
 

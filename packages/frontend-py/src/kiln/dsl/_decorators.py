@@ -527,6 +527,8 @@ class ModuleSpec:
     kind: str
     cls: type
     params: dict[str, Param]
+    #: parameters a class redefines: the definition of the base class it replaces, and that class's name
+    redefined: dict[str, tuple[Param, str]]
     activations: dict[str, Activation]
     forward: Callable[..., Any] | None
     backward: Callable[..., Any] | None
@@ -548,6 +550,8 @@ def spec_of(cls: type) -> ModuleSpec:
     """Read the spec off a decorated class (walking its bases, so ``@extends`` inherits)."""
     meta = cls.__dict__.get("__kiln__") or {}
     params: dict[str, Param] = {}
+    owners: dict[str, str] = {}
+    redefined: dict[str, tuple[Param, str]] = {}
     slots: dict[str, Activation] = {}
     fwd = bwd = None
     hf_mappings: dict[str, Any] = {}
@@ -563,7 +567,9 @@ def spec_of(cls: type) -> ModuleSpec:
         hf_cfg = cmeta.get("hf_config", hf_cfg)
         for k, v in c.__dict__.items():
             if isinstance(v, Param):
-                params[k] = v
+                if k in params:
+                    redefined[k] = (params[k], owners[k])
+                params[k], owners[k] = v, c.__name__
             elif isinstance(v, Activation):
                 slots[k] = v
             elif callable(v) and getattr(v, "__kiln_forward__", False):
@@ -584,6 +590,7 @@ def spec_of(cls: type) -> ModuleSpec:
         kind=meta.get("kind", "module"),
         cls=cls,
         params=params,
+        redefined=redefined,
         activations=slots,
         forward=fwd,
         backward=bwd,

@@ -9,13 +9,12 @@ read by kiln-core's condition parser (``kiln.core.ir.parse_condition``), never b
 
 from __future__ import annotations
 
-import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kiln.core import DimError
-from kiln.core.ir import BinOp, ConditionError, Const, DimExpr, Sym, parse_condition, parse_dim
+from kiln.core.ir import ConditionError, Const, DimExpr, Sym, parse_condition, parse_dim
 from kiln.dsl._errors import error
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "DERIVED",
     "Scope",
     "check_condition",
-    "substitute",
     "translate",
 ]
 
@@ -43,13 +41,6 @@ CONVENTIONAL: dict[str, tuple[tuple[str, ...], str | None]] = {
 #: aliases written out as expressions wherever they appear
 DERIVED: dict[str, str] = {"QKV": "(Hq + 2 * Hkv) * D", "AttnDim": "Hq * D", "MUp": "2 * M"}
 _FIXED = ("B", "T")
-_ARITH: dict[str, Callable[[Any, Any], Any]] = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-    "//": operator.floordiv,
-    "%": operator.mod,
-}
 _DIM_HINT = (
     'bind it with a constructor argument or an int attribute of that name, self.{0} = Dim("config_key"), '
     'or a class attribute _dims_ = {{"{0}": "expression"}}'
@@ -58,15 +49,6 @@ _DIM_HINT = (
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def substitute(e: DimExpr, f: Callable[[str], DimExpr]) -> DimExpr:
-    match e:
-        case Sym(name):
-            return f(name)
-        case BinOp(op, lhs, rhs):
-            return _ARITH[op](substitute(lhs, f), substitute(rhs, f))  # type: ignore[no-any-return]
-    return e
 
 
 class Scope:
@@ -198,7 +180,7 @@ class Scope:
             e = parse_dim(d)
         except DimError as exc:
             raise error("E008", f"bad dimension {d!r}: {exc.message}", exc.hint) from None
-        return substitute(e, self.resolve)
+        return e.substitute(self.resolve)
 
     def bindings(self) -> dict[str, int]:
         out = {k: v for k, v in self.config.items() if _is_int(v)}
@@ -255,7 +237,7 @@ def translate(expr: DimExpr, sub: Scope, caller: Scope) -> DimExpr:
                     return found
         return Const(v)
 
-    return substitute(expr, one)
+    return expr.substitute(one)
 
 
 # --- conditions and constraints ------------------------------------------------------------------

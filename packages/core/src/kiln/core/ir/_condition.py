@@ -1,12 +1,13 @@
 """Conditions on parameters and activation slots: ``"use_bias"``, ``"not use_qk_norm"``,
-``"use_a and d_model % num_heads == 0"``.
+``"use_a and d_model % num_heads == 0"``, ``"ceil_div(T, block) <= max(n_blocks, 1)"``.
 
 A condition reads names (a module's config entries, or whatever the caller's lookup knows). A name
 on its own is true when its value is (a flag, a nonzero count). Arithmetic (integers, names, ``+ -
-* // %``, parentheses, as in dimensions) and comparisons (``== != < <= > >=``, chained as in Python)
-take integers, a bool counting as 0 or 1. ``not``, ``and`` and ``or`` combine them with Python's
-precedence; ``and`` and ``or`` stop at the first operand that decides. ``True`` and ``False`` are
-literals. IR files come from anyone, so the text is read by a small parser, never by ``eval``.
+* // %``, parentheses and ``min``, ``max``, ``ceil_div``, ``sqrt``, as in dimensions) and comparisons
+(``== != < <= > >=``, chained as in Python) take integers, a bool counting as 0 or 1. ``not``,
+``and`` and ``or`` combine them with Python's precedence; ``and`` and ``or`` stop at the first
+operand that decides. ``True`` and ``False`` are literals. IR files come from anyone, so the text is
+read by a small parser, never by ``eval``.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from kiln.core.ir._dims import _MAX_DEPTH, _PREC, BinOp, Const, DimExpr, Sym, _h
 __all__ = ["Condition", "ConditionError", "parse_condition"]
 
 _TOKEN = re.compile(r"(?P<int>[0-9]+)|(?P<keyword>(?:and|or|not|True|False)\b)"
-                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|==|!=|<=|>=|[-+*%<>()])")
+                    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|==|!=|<=|>=|[-+*%<>(),])")
 _CMP: dict[str, Callable[[int, int], bool]] = {"==": operator.eq, "!=": operator.ne, "<": operator.lt,
                                                "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _MAX_NEST = 40  # parentheses and nots; each level takes ~9 Python frames of the parser
-_HINT = ("a condition is a name, or integers and names joined by + - * // % and compared by == != < <= > >=, "
-         "combined with not, and, or and parentheses")
+_HINT = ("a condition is a name, or integers and names joined by + - * // % (and min, max, ceil_div, sqrt of "
+         "them) and compared by == != < <= > >=, combined with not, and, or and parentheses")
 
 
 class ConditionError(KilnError):
@@ -241,6 +242,8 @@ class _Parser(_dims._Parser):
             return Const(self.literal())
         if kind == "name":
             self.i += 1
+            if self.peek() == "(":
+                return self.nested(lambda: self.call(lambda: self.integer(self.arith(1)[0])))
             return Sym(tok)
         if tok in ("True", "False"):
             self.i += 1

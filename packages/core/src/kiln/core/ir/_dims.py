@@ -1,8 +1,11 @@
-"""Symbolic dimension expressions: ``"B * T"``, ``"D // 2"``, ``"(Hq + 2 * Hkv) * D"``.
+"""Symbolic dimension expressions: ``"B * T"``, ``"D // 2"``, ``"(Hq + 2 * Hkv) * D"``,
+``"ceil_div(T, block)"``.
 
 IR files come from anyone, so text is read by a small tokenizer and precedence-climbing parser,
 never by ``eval``. ``simplify`` puts ``+ - *`` into a polynomial normal form and keeps ``//`` and
-``%`` as opaque terms, rewriting them only where the rewrite is exact over all integers.
+``%`` as opaque terms, rewriting them only where the rewrite is exact over all integers. The
+functions ``min(a, b, ...)``, ``max(a, b, ...)``, ``ceil_div(a, b)`` and ``sqrt(a)`` (the integer
+square root, ``floor(sqrt(a))``) are opaque terms too, folded once their arguments are constants.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import functools
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -20,6 +23,7 @@ from kiln.core._errors import DimError
 
 __all__ = [
     "BinOp",
+    "Call",
     "Const",
     "DimExpr",
     "DimLike",
@@ -44,10 +48,40 @@ _OPS: dict[str, Callable[[int, int], int]] = {
     "%": operator.mod,
 }
 _PREC = {"+": 1, "-": 1, "*": 2, "//": 2, "%": 2}
+
+
+def _isqrt(a: int) -> int:
+    if a < 0:
+        raise ValueError("sqrt of a negative number")
+    return math.isqrt(a)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    if b == 0:
+        raise ValueError("division by zero")
+    return -(-a // b)
+
+
+#: functions of dimensions: (implementation, least and most arguments; None: any number)
+_FUNCS: dict[str, tuple[Callable[..., int], int, int | None]] = {
+    "min": (min, 2, None),
+    "max": (max, 2, None),
+    "ceil_div": (_ceil_div, 2, 2),
+    "sqrt": (_isqrt, 1, 1),
+}
+
+
+def _arity(fn: str, n: int) -> str | None:
+    """None if ``fn`` takes ``n`` arguments, else how many it takes."""
+    _, least, most = _FUNCS[fn]
+    if least <= n and (most is None or n <= most):
+        return None
+    return str(least) if least == most else f"{least} or more"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SPACE = re.compile(r"\s*")
-_TOKEN = re.compile(r"(?P<int>[0-9]+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|[-+*%])|(?P<paren>[()])")
-_HINT = "a dimension is an integer, a name, or integers and names joined by + - * // % and parentheses"
+_TOKEN = re.compile(r"(?P<int>[0-9]+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<op>//|[-+*%])|(?P<paren>[(),])")
+_HINT = ("a dimension is an integer, a name, or integers and names joined by + - * // % and parentheses, "
+         "or min(a, b), max(a, b), ceil_div(a, b), sqrt(a) of them")
 
 
 def _quote(text: str) -> str:
@@ -128,6 +162,8 @@ class DimExpr:
                 if _prec(rhs) <= _PREC[op]:  # the parser is left-associative
                     right = f"({right})"
                 return f"{left} {op} {right}"
+            case Call(fn, args):
+                return f"{fn}({', '.join(map(str, args))})"
         raise TypeError(f"not a concrete dimension: {self!r}")
 
     def free_symbols(self) -> frozenset[str]:
@@ -136,6 +172,8 @@ class DimExpr:
                 return frozenset((name,))
             case BinOp(_, lhs, rhs):
                 return lhs.free_symbols() | rhs.free_symbols()
+            case Call(_, args):
+                return frozenset().union(*(a.free_symbols() for a in args))
         return frozenset()
 
     def evaluate(self, bindings: Mapping[str, int]) -> int:
@@ -162,10 +200,23 @@ class DimExpr:
                 return bindings[name]
             case BinOp(op, lhs, rhs):
                 return _apply(op, lhs._eval(bindings), rhs._eval(bindings), self)
+            case Call(fn, args):
+                return _call(fn, [a._eval(bindings) for a in args], self)
         raise TypeError(f"not a concrete dimension: {self!r}")
 
     def to_json(self) -> int | str:
         return self.value if isinstance(self, Const) else str(self)
+
+    def substitute(self, f: Callable[[str], DimExpr]) -> DimExpr:
+        """This expression with every symbol ``name`` replaced by ``f(name)`` (constants folded)."""
+        match self:
+            case Sym(name):
+                return f(name)
+            case BinOp(op, lhs, rhs):
+                return _combine(op, lhs.substitute(f), rhs.substitute(f))
+            case Call(fn, args):
+                return Call(fn, tuple(a.substitute(f) for a in args))
+        return self
 
 
 def _check_int(_: object, __: object, value: Any) -> None:
@@ -206,6 +257,36 @@ class BinOp(DimExpr):
     op: str = attrs.field(validator=_check_op)
     lhs: DimExpr = attrs.field(validator=_check_expr)
     rhs: DimExpr = attrs.field(validator=_check_expr)
+
+
+def _exprs(items: Iterable[DimExpr]) -> tuple[DimExpr, ...]:
+    return tuple(items)
+
+
+def _check_call(call: Call, _: object, args: tuple[DimExpr, ...]) -> None:
+    if call.fn not in _FUNCS:
+        raise DimError(f"unknown dimension function {call.fn!r}: expected one of {', '.join(_FUNCS)}",
+                       expr=call.fn)
+    count = _arity(call.fn, len(args))
+    if count is not None:
+        raise DimError(f"{call.fn}() takes {count} arguments, found {len(args)}", expr=call.fn)
+    for a in args:
+        _check_expr(call, _, a)
+
+
+@attrs.frozen
+class Call(DimExpr):
+    """``fn(args...)``, one of ``min``, ``max``, ``ceil_div``, ``sqrt`` (integer square root)."""
+
+    fn: str
+    args: tuple[DimExpr, ...] = attrs.field(converter=_exprs, validator=_check_call)
+
+
+def _call(fn: str, values: list[int], expr: DimExpr) -> int:
+    try:
+        return _FUNCS[fn][0](*values)
+    except ValueError as exc:
+        raise DimError(f"{exc} in {_quote(str(expr))}", expr=str(expr)) from None
 
 
 DimLike = str | int | DimExpr
@@ -274,6 +355,8 @@ class _Parser:
             return Const(self.literal()), 0
         if kind == "name":
             self.i += 1
+            if self.toks[self.i][1] == "(":
+                return self.call(lambda: self.binary(1, nest + 1)[0]), 0
             return Sym(tok), 0
         if tok == "(":
             if nest >= _MAX_DEPTH:
@@ -286,6 +369,24 @@ class _Parser:
             return e
         negate = " (write 0 - x to negate x)" if tok == "-" else ""
         self.fail(f"a number, a name or '('{negate}")
+
+    def call(self, argument: Callable[[], Any]) -> Call:
+        """A function call, the parser at its ``(``; each argument is read by ``argument``."""
+        _, fn, pos = self.toks[self.i - 1]
+        if fn not in _FUNCS:
+            self.fail(f"a function ({', '.join(_FUNCS)}) before '('", pos, repr(fn))
+        self.i += 1
+        args = [argument()]
+        while self.toks[self.i][1] == ",":
+            self.i += 1
+            args.append(argument())
+        if self.toks[self.i][1] != ")":
+            self.fail("an operator, ',' or ')'")
+        self.i += 1
+        count = _arity(fn, len(args))
+        if count is not None:
+            self.fail(f"{fn}() with {count} argument(s)", pos, f"{len(args)} argument(s)")
+        return Call(fn, tuple(args))
 
     def literal(self) -> int:
         try:
@@ -433,6 +534,12 @@ def _poly(e: DimExpr) -> _Poly:
             return _mul(_poly(lhs), _poly(rhs))
         case BinOp(op, lhs, rhs):
             return _divmod(op, _poly(lhs), _poly(rhs))
+        case Call(fn, args):
+            simple = tuple(_expr(_poly(a)) for a in args)
+            if all(isinstance(a, Const) for a in simple):
+                value = _call(fn, [a.value for a in simple], e)  # type: ignore[attr-defined]
+                return {(): value} if value else {}
+            return {(Call(fn, simple),): 1}
     raise TypeError(f"not a concrete dimension: {e!r}")
 
 
@@ -459,6 +566,8 @@ def _height(e: DimExpr) -> int:
         best = max(best, h)
         if isinstance(e, BinOp):
             todo += [(e.lhs, h + 1), (e.rhs, h + 1)]
+        elif isinstance(e, Call):
+            todo += [(a, h + 1) for a in e.args]
     return best
 
 

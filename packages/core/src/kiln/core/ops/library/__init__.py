@@ -19,10 +19,11 @@ def core_ops() -> list[CoreOp]:
         _moe,
         _norms,
         _optimizer,
+        _router,
         _tensor,
     )
 
-    modules = (_linalg, _elementwise, _math, _norms, _attention, _tensor, _loss, _moe, _optimizer)
+    modules = (_linalg, _elementwise, _math, _norms, _attention, _tensor, _loss, _moe, _router, _optimizer)
     return [op for module in modules
             for op in module.CORE_OPS]
 

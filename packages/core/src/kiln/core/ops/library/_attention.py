@@ -20,6 +20,10 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
   including the query's own) and, when not causal, also ``j < p + w`` (flash-attn's
   ``window_size=(w - 1, w - 1)``). A fully masked query row gives ``out = 0`` and ``lse = +inf`` (as
   flash-attn), so the backward's ``exp(s - lse)`` is 0 there.
+* ``attention`` (separate q, k, v) also takes ``softcap = c``: scores become ``c * tanh(s / c)`` (Gemma-2's
+  logit soft-capping), and ``alibi``: head ``h`` adds ``-slope_h * |p - j|`` to its scores (flash-attn's
+  ALiBi), with the slopes of ALiBi's paper (``2 ** (-8 i / n)``, :func:`alibi_slopes`). Capping comes first,
+  then the bias, then the masks.
 * ``segment_ids: [B, Tk]`` (optional, int) restricts attention to keys of the query's own segment:
   query ``i`` sees key ``j`` only when ``segment_ids[b, p] == segment_ids[b, j]``. Packed documents
   are segments 1, 2, ...; padding is its own segment (0), so real tokens never see it (HF's
@@ -28,9 +32,11 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kiln.core._errors import OpError
@@ -50,6 +56,7 @@ _ATTN_ATTRS = (
     AttrSpec("softmax_scale", "float", None),
     AttrSpec("window_size", "int", None),
 )
+_SCORE_ATTRS = (AttrSpec("softcap", "float", None), AttrSpec("alibi", "bool", False))
 _HEADS = (AttrSpec("Hq", "dim"), AttrSpec("Hkv", "dim"), AttrSpec("D", "dim"))
 
 
@@ -477,18 +484,63 @@ def _unrows(tile: np.ndarray, x: np.ndarray, t0: int, t1: int, hkv: int, rep: in
     view(x[:, t0:t1], (b, n, hkv, rep, d))[...] = tile.reshape(b, hkv, rep, n, d).transpose(0, 3, 1, 2, 4)
 
 
-def _scores(qt: np.ndarray, kh: np.ndarray, keep: np.ndarray, rep: int) -> np.ndarray:
-    """Scores of a query block (already scaled) against keys ``kh: [B, Hkv, k, D]``; masked: -inf."""
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's head slopes (Press et al.; HF's ``build_alibi_tensor``): ``2 ** (-8 i / n)``, i = 1..n, for
+    the power of two n at or below ``heads``; the remaining heads take every other slope of 2n heads."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = 2.0 ** (-8.0 / n * np.arange(1, n + 1))
+    extra = 2.0 ** (-4.0 / n * np.arange(1, 2 * (heads - n), 2))
+    out: np.ndarray = np.concatenate([slopes, extra])
+    return out
+
+
+@attrs.frozen
+class _Logits:
+    """How raw scores become logits: ``softcap`` and the ALiBi slopes ``[Hkv, rep]`` of a piece's heads."""
+
+    softcap: float | None = None
+    slopes: np.ndarray | None = attrs.field(default=None, eq=False)
+
+    def bias(self, tq: int, tk: int, t0: int, t1: int, k0: int, k1: int) -> np.ndarray | None:
+        """ALiBi's ``-slope * |p - j|`` of query rows [t0, t1) and keys [k0, k1): ``[1, Hkv, rep * n, k]``."""
+        if self.slopes is None:
+            return None
+        p = np.arange(t0, t1)[:, None] + (tk - tq)
+        dist = np.abs(p - np.arange(k0, k1)[None, :])
+        hkv, rep = self.slopes.shape
+        bias: np.ndarray = (-self.slopes[:, :, None, None] * dist).reshape(1, hkv, rep * (t1 - t0), k1 - k0)
+        return bias
+
+
+def _scores(qt: np.ndarray, kh: np.ndarray, keep: np.ndarray, rep: int, logits: _Logits,
+            bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scores of a query block (already scaled) against keys ``kh: [B, Hkv, k, D]``, capped and biased as
+    ``logits`` says, masked: -inf; and ``tanh(s / softcap)`` (the cap's derivative is ``1 - tanh**2``)."""
     s: np.ndarray = np.matmul(qt, kh.swapaxes(-1, -2))
+    t = None
+    if logits.softcap is not None:
+        t = np.tanh(s / logits.softcap)
+        s = logits.softcap * t
+    if bias is not None:
+        s += bias
     if not keep.all():
         b, hkv, m, k = s.shape
         np.copyto(s.reshape(b, hkv, rep, m // rep, k), -np.inf, where=~keep)  # keep: see _tile
-    return s
+    return s, t
+
+
+def _piece_logits(softcap: float | None, alibi: bool, hq: int, hkv: int, hs: slice, op: str) -> _Logits:
+    """The :class:`_Logits` of the query heads of kv heads ``hs``."""
+    if softcap is not None and softcap <= 0:
+        raise OpError(f"op {op!r}: softcap must be > 0, found {softcap}", op=op)
+    slopes = alibi_slopes(hq).reshape(hkv, hq // hkv)[hs] if alibi else None
+    return _Logits(softcap, slopes)
 
 
 def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray, causal: bool,
                   softmax_scale: float | None, window_size: int | None, op: str,
-                  segments: np.ndarray | None = None) -> None:
+                  segments: np.ndarray | None = None, softcap: float | None = None,
+                  alibi: bool = False) -> None:
     """Attention of ``q: [B, Tq, Hq, D]`` over ``k, v: [B, Tk, Hkv, D]`` (any strides) into ``out``
     (``q``'s shape) and ``lse: [B, Hq, Tq]``, with an online softmax over key blocks."""
     rep = _group(q.shape[2], k.shape[2], op)
@@ -498,14 +550,15 @@ def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
         bs, hs = p
         qs = slice(hs.start * rep, hs.stop * rep)
         _attn_forward_piece(q[bs, :, qs], k[bs, :, hs], v[bs, :, hs], out[bs, :, qs], lse[bs, qs], causal,
-                            softmax_scale, window_size, op, None if segments is None else segments[bs])
+                            softmax_scale, window_size, op, None if segments is None else segments[bs],
+                            _piece_logits(softcap, alibi, q.shape[2], k.shape[2], hs, op))
 
     parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
 
 def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, lse: np.ndarray,
                         causal: bool, softmax_scale: float | None, window_size: int | None, op: str,
-                        segments: np.ndarray | None) -> None:
+                        segments: np.ndarray | None, logits: _Logits) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)
@@ -523,7 +576,8 @@ def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.nda
         total = np.zeros_like(m)
         acc = np.zeros_like(qt)
         for k0, k1 in keys:
-            s = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep)
+            s, _ = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep, logits,
+                           logits.bias(tq, tk, t0, t1, k0, k1))
             m_new = np.maximum(m, np.max(s, axis=-1, keepdims=True))
             shift = np.where(np.isfinite(m_new), m_new, 0)  # rows that saw no key yet: exp(s) = 0
             s -= shift
@@ -544,9 +598,11 @@ def _attn_forward_piece(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.nda
 def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray,
                    lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray,
                    causal: bool, softmax_scale: float | None, window_size: int | None, op: str,
-                   segments: np.ndarray | None = None) -> None:
+                   segments: np.ndarray | None = None, softcap: float | None = None,
+                   alibi: bool = False) -> None:
     """Gradients of :func:`_attn_forward` into ``dq, dk, dv`` (shaped as q, k, v), from the saved lse:
-    ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)``, block by block."""
+    ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)`` (times ``1 - tanh**2`` through a
+    softcap), block by block."""
     rep = _group(q.shape[2], k.shape[2], op)
     _check_segments(segments, k.shape[0], k.shape[1], op)
 
@@ -557,7 +613,8 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
                              v[bs, :, hs], out[bs, :, qs], lse[bs, qs],
                              None if d_lse is None else d_lse[bs, qs], dq[bs, :, qs], dk[bs, :, hs],
                              dv[bs, :, hs], causal, softmax_scale, window_size, op,
-                             None if segments is None else segments[bs])
+                             None if segments is None else segments[bs],
+                             _piece_logits(softcap, alibi, q.shape[2], k.shape[2], hs, op))
 
     parallel(piece, _pieces(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]))
 
@@ -565,7 +622,8 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
 def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                          out: np.ndarray, lse: np.ndarray, d_lse: np.ndarray | None, dq: np.ndarray,
                          dk: np.ndarray, dv: np.ndarray, causal: bool, softmax_scale: float | None,
-                         window_size: int | None, op: str, segments: np.ndarray | None) -> None:
+                         window_size: int | None, op: str, segments: np.ndarray | None,
+                         logits: _Logits) -> None:
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     rep = _group(hq, hkv, op)
@@ -590,7 +648,8 @@ def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray,
             shift = shift - np.sum(dot * _rows(out, t0, t1, hkv, rep), axis=-1, keepdims=True)
         dqt = np.zeros_like(qt)
         for k0, k1 in keys:
-            p = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep)
+            p, cap = _scores(qt, kh[:, :, k0:k1], _tile(keep, t0, t1, k0, k1), rep, logits,
+                             logits.bias(tq, tk, t0, t1, k0, k1))
             p -= lse_t
             np.exp(p, out=p)
             if dot is not None:
@@ -600,6 +659,8 @@ def _attn_backward_piece(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray,
             else:
                 ds = np.broadcast_to(shift, p.shape).copy()
             ds *= p
+            if cap is not None:
+                ds *= 1 - cap * cap
             dqt += np.matmul(ds, kh[:, :, k0:k1])
             dkh[:, :, k0:k1] += np.matmul(ds.swapaxes(-1, -2), qt)  # qt carries the scale
         dqt *= scale
@@ -727,9 +788,11 @@ def _flash_cost(qkv_index: int, factor: float) -> Any:
 
 
 def _attention_out(q: np.ndarray, k: np.ndarray, v: np.ndarray, segment_ids: np.ndarray | None = None, *,
-                   out: Outs, causal: bool, softmax_scale: float | None, window_size: int | None) -> None:
+                   out: Outs, causal: bool, softmax_scale: float | None, window_size: int | None,
+                   softcap: float | None = None, alibi: bool = False) -> None:
     o, lse = or_scratch(out, [q.shape, (q.shape[0], q.shape[2], q.shape[1])], q.dtype)
-    _attn_forward(q, k, v, o, lse, causal, softmax_scale, window_size, "attention", segment_ids)
+    _attn_forward(q, k, v, o, lse, causal, softmax_scale, window_size, "attention", segment_ids, softcap,
+                  alibi)
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *inputs: np.ndarray | None,
@@ -746,6 +809,8 @@ def _attention_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, (q[0], q[3]), (k[0], k[3]), "q and k differ in batch or head dim")
     _check_heads(ctx, q[2], k[2])
     _check_segment_input(ctx, 3, k[0], k[1])
+    if ctx.attrs["softcap"] is not None and ctx.attrs["softcap"] <= 0:
+        raise ctx.fail(f"softcap must be > 0, found {ctx.attrs['softcap']}")
     return [TensorType(q, ctx.dtype(0)), TensorType((q[0], q[2], q[1]), "fp32")]
 
 
@@ -762,10 +827,11 @@ def _attention_backward(ctx: BackwardContext) -> list[str | None]:
 def _attention_bwd_out(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
                        lse: np.ndarray, d_lse: np.ndarray | None = None,
                        segment_ids: np.ndarray | None = None, *, out: Outs, causal: bool,
-                       softmax_scale: float | None, window_size: int | None) -> None:
+                       softmax_scale: float | None, window_size: int | None, softcap: float | None = None,
+                       alibi: bool = False) -> None:
     dq, dk, dv = or_scratch(out, [q.shape, k.shape, v.shape], q.dtype)
     _attn_backward(d_out, q, k, v, o, lse, d_lse, dq, dk, dv, causal, softmax_scale, window_size,
-                   "attention_backward", segment_ids)
+                   "attention_backward", segment_ids, softcap, alibi)
 
 
 def _attention_bwd_kernel(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -785,6 +851,11 @@ def _attention_samples(rng: np.random.Generator) -> Iterator[Sample]:
     # segments (Tq < Tk: queries sit at the last Tq key positions)
     yield Sample((randn(rng, 2, 3, 2, 2), randn(rng, 2, 5, 2, 2), randn(rng, 2, 5, 2, 2),
                   np.array([[0, 1, 1, 2, 2], [1, 1, 1, 1, 1]])), {})
+    # logit soft-capping and ALiBi (3 query heads: slopes beyond a power of two), with segments
+    q3, kv3 = randn(rng, 1, 4, 3, 2) * 2, (randn(rng, 1, 4, 3, 2) * 2, randn(rng, 1, 4, 3, 2))
+    yield Sample((q3, *kv3), {"softcap": 1.5})
+    yield Sample((q3, *kv3), {"alibi": True, "causal": False})
+    yield Sample((q3, *kv3, np.array([[1, 1, 2, 2]])), {"softcap": 0.8, "alibi": True, "window_size": 3})
 
 
 def _attention_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
@@ -843,16 +914,17 @@ CORE_OPS = [
     ),
     core_op(
         "attention", ("q", "k", "v", "segment_ids?"), ("out", "lse"), _attention, _attention_infer,
-        backward=_attention_backward, attrs=_ATTN_ATTRS, samples=_attention_samples,
+        backward=_attention_backward, attrs=(*_ATTN_ATTRS, *_SCORE_ATTRS), samples=_attention_samples,
         cost=_attention_cost(0, 1.0), out_kernel=_attention_out, nondiff_inputs={3},
         flop_heavy=True,
         doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
-            "lse [B, Hq, Tq].",
+            "lse [B, Hq, Tq]; softcap caps the logits (c * tanh(s / c)), alibi adds -slope_h * |p - j|.",
     ),
     core_op(
         "attention_backward", ("d_out?", "q", "k", "v", "out", "lse", "d_lse?", "segment_ids?"),
         ("d_q", "d_k", "d_v"),
-        _attention_bwd_kernel, _attention_bwd_infer, attrs=_ATTN_ATTRS, cost=_attention_cost(1, 2.5),
+        _attention_bwd_kernel, _attention_bwd_infer, attrs=(*_ATTN_ATTRS, *_SCORE_ATTRS),
+        cost=_attention_cost(1, 2.5),
         out_kernel=_attention_bwd_out, samples=_backward_samples(_attention, _attention_bwd_samples, 3),
         doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",
     ),

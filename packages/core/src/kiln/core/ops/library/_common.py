@@ -8,9 +8,10 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kiln.core._errors import OpError
 from kiln.core.ir._dims import Shape, dims_equal
-from kiln.core.ir._ir import TensorType
-from kiln.core.ops._ops import InferContext, OpDef
+from kiln.core.ir._ir import TensorType, is_float
+from kiln.core.ops._ops import InferContext, OpDef, no_gradient
 
 
 @attrs.frozen
@@ -23,10 +24,39 @@ class CoreOp:
     inplace: frozenset[int] = frozenset()
 
 
-def core_op(*args: Any, out_kernel: Callable[..., None] | None = None, inplace: Sequence[int] | set[int] = (),
-            **kwargs: Any) -> CoreOp:
-    """An :class:`OpDef` with the NumPy backend's fast kernel beside it (registered in the kernel table)."""
-    return CoreOp(OpDef(*args, **kwargs), out_kernel, frozenset(inplace))
+Infer = Callable[[InferContext], Sequence[TensorType]]
+
+
+def core_op(name: str, inputs: Sequence[str], outputs: Sequence[str], kernel: Callable[..., Any],
+            infer: Infer, *,
+            out_kernel: Callable[..., None] | None = None, inplace: Sequence[int] | set[int] = (),
+            any_dtype: bool = False, **kwargs: Any) -> CoreOp:
+    """An :class:`OpDef` with the NumPy backend's fast kernel beside it (registered in the kernel table).
+
+    The dtype rule of a differentiable op is part of its shape rule: its differentiable inputs are
+    float (E015), unless ``any_dtype`` (data movement and integer arithmetic), where they share one
+    kind, all float or all integer."""
+    if kwargs.get("backward") not in (None, no_gradient):
+        infer = _dtype_checked(infer, tuple(inputs), frozenset(kwargs.get("nondiff_inputs", ())), any_dtype)
+    return CoreOp(OpDef(name, inputs, outputs, kernel, infer, **kwargs), out_kernel, frozenset(inplace))
+
+
+def _dtype_checked(infer: Infer, schema: tuple[str, ...], nondiff: frozenset[int], any_dtype: bool) -> Infer:
+    def checked(ctx: InferContext) -> Sequence[TensorType]:
+        given = [(schema[min(i, len(schema) - 1)].strip("*?"), t) for i, t in enumerate(ctx.inputs)
+                 if t is not None and i not in nondiff]
+        ints = [(name, t.dtype) for name, t in given if not is_float(t.dtype)]
+        floats = [(name, t.dtype) for name, t in given if is_float(t.dtype)]
+        if ints and (floats or not any_dtype):
+            name, dtype = ints[0]
+            why = (f"it is combined with {floats[0][0]!r} ({floats[0][1]})" if any_dtype else
+                   f"{ctx.op} computes in floating point")
+            raise OpError(f"op {ctx.op!r}: input {name!r} is {dtype}, but {why}", op=ctx.op, code="E015",
+                          hint="pass a float tensor; an integer tensor (ids, positions) converts to float "
+                               "only explicitly")
+        return infer(ctx)
+
+    return checked
 
 
 def same_as(i: int = 0, n: int = 1) -> Callable[[InferContext], list[TensorType]]:

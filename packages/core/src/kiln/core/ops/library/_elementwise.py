@@ -372,6 +372,30 @@ def _silu_mul_rule(ctx: BackwardContext) -> Grads:
     return [dg if ctx.needs_grad(0) else None, du if ctx.needs_grad(1) else None]
 
 
+def _geglu(gate: Array, up: Array, *, approximate: str) -> Array:
+    return _gelu(gate, approximate=approximate) * up
+
+
+def _geglu_rule(ctx: BackwardContext) -> Grads:
+    approximate = ctx.attrs["approximate"]
+    d_gate = d_up = None
+    if ctx.needs_grad(0):  # d_gate = gelu'(gate) * (d_out * up)
+        d_gate = ctx.emit("gelu_backward", ctx.emit("mul", ctx.d_out, ctx.saved(1)), ctx.saved(0),
+                          approximate=approximate)
+    if ctx.needs_grad(1):  # d_up = d_out * gelu(gate)
+        d_up = ctx.emit("mul", ctx.d_out, ctx.emit("gelu", ctx.saved(0), approximate=approximate))
+    return [d_gate, d_up]
+
+
+def _geglu_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    yield Sample((randn(rng, 3, 4) * 2, randn(rng, 3, 4)))
+    yield Sample((randn(rng, 2, 3, 5) * 2, randn(rng, 2, 3, 5)), {"approximate": "tanh"})
+
+
+def _add3_rule(ctx: BackwardContext) -> Grads:
+    return [ctx.d_out if ctx.needs_grad(i) else None for i in range(3)]
+
+
 def _softmax(x: Array, *, axis: int) -> Array:
     e: Array = np.exp(x - np.max(x, axis=axis, keepdims=True))
     total: Array = np.sum(e, axis=axis, keepdims=True)
@@ -574,10 +598,10 @@ _AXIS = AttrSpec("axis", "int", -1)
 CORE_OPS = [
     core_op("add", ("a", "b"), ("out",), lambda a, b: a + b, _binary_infer, backward=_add_backward,
           samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.add), inplace={0},
-          doc="out = a + b; b has a's shape or broadcasts to it (NumPy rules)."),
+          any_dtype=True, doc="out = a + b; b has a's shape or broadcasts to it (NumPy rules)."),
     core_op("mul", ("a", "b"), ("out",), lambda a, b: a * b, _binary_infer, backward=_mul_backward,
           samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.multiply), inplace={0},
-          doc="out = a * b; b has a's shape or broadcasts to it (NumPy rules)."),
+          any_dtype=True, doc="out = a * b; b has a's shape or broadcasts to it (NumPy rules)."),
     core_op("scale", ("x",), ("out",), lambda x, *, factor: x * factor, same_as(), backward=_scale_backward,
           attrs=(AttrSpec("factor", "float"),), cost=_ew_cost(1, 2), out_kernel=_scale_out, inplace={0},
           samples=lambda rng: [Sample((randn(rng, 3, 4),), {"factor": -0.7})], doc="out = x * factor."),
@@ -588,7 +612,7 @@ CORE_OPS = [
           doc="out = x + bias, bias over x's last dim."),
     core_op("broadcast_to", ("x",), ("out",), _broadcast_to, _broadcast_to_infer,
           backward=_broadcast_to_backward, attrs=(AttrSpec("shape", "dims"), AttrSpec("axes", "ints", ())),
-          samples=_broadcast_to_samples,
+          samples=_broadcast_to_samples, any_dtype=True,
           cost=lambda s, a: Cost(bytes=4.0 * (_numel(s[0]) + _numel(a["shape"]))),
           doc="x broadcast to shape: NumPy rules, or with axes, x lacks exactly those result axes."),
     # activations
@@ -625,6 +649,13 @@ CORE_OPS = [
                                Sample((randn(rng, 2, 3, 3), randn(rng, 2, 3, 6) * 2))],
           cost=lambda s, a: Cost(flops=6.0 * _numel(s[1]), bytes=10.0 * _numel(s[1])),
           doc="d_x = [d_gate | d_up] for swiglu."),
+    core_op("geglu", ("gate", "up"), ("out",), _geglu, _same_shapes_infer(2), backward=_geglu_rule,
+            attrs=(AttrSpec("approximate", "str", "none", ("tanh", "none")),), cost=_ew_cost(12, 3),
+            samples=_geglu_samples, doc="out = gelu(gate) * up (GeGLU): exact gelu, or approximate='tanh'."),
+    core_op("add3", ("a", "b", "c"), ("out",), lambda a, b, c: a + b + c, _same_shapes_infer(3),
+            backward=_add3_rule, cost=_ew_cost(2, 4), any_dtype=True,
+            samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 3, 4), randn(rng, 3, 4)))],
+            doc="out = a + b + c, one shape (the parallel residual of GPT-NeoX-style blocks)."),
     core_op("silu_mul", ("gate", "up"), ("out",), _allocating(_silu_mul_out), _same_shapes_infer(2),
           backward=_silu_mul_rule, samples=lambda rng: [Sample((randn(rng, 3, 4) * 2, randn(rng, 3, 4)))],
           out_kernel=_silu_mul_out,
@@ -639,7 +670,8 @@ CORE_OPS = [
           attrs=(_AXIS,), cost=_ew_cost(4, 3), doc="d_x = out * (d_out - sum(d_out * out, axis))."),
     # reductions
     core_op("reduce_sum", ("x",), ("out",), _reduce_kernel(np.sum), _reduce_infer, backward=_reduce_sum_rule,
-          attrs=_REDUCE_ATTRS, samples=_reduce_samples, cost=_reduce_cost, doc="Sum of x over axes."),
+          attrs=_REDUCE_ATTRS, samples=_reduce_samples, cost=_reduce_cost, any_dtype=True,
+          doc="Sum of x over axes."),
     core_op("reduce_mean", ("x",), ("out",), _reduce_kernel(np.mean), _reduce_infer,
             backward=_reduce_mean_rule,
           attrs=_REDUCE_ATTRS, samples=_reduce_samples, cost=_reduce_cost, doc="Mean of x over axes."),
@@ -650,6 +682,7 @@ CORE_OPS = [
           doc="d_x = d_out broadcast back over the reduced axes, divided by their element count."),
     core_op("reduce_max", ("x",), ("out",), _reduce_kernel(np.max), _reduce_infer, backward=_reduce_max_rule,
           attrs=_REDUCE_ATTRS, samples=lambda rng: _reduce_samples(rng, distinct=True), cost=_reduce_cost,
+          any_dtype=True,
           doc="Maximum of x over axes."),
     core_op("reduce_max_backward", ("d_out", "x", "out"), ("d_x",), _reduce_max_backward,
           lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(0))], attrs=_REDUCE_BACKWARD_ATTRS,

@@ -338,6 +338,41 @@ def _grouped_gemm_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, An
     return Cost(flops=2.0 * r * i * o, bytes=_nbytes((r, i), (e, o, i), (r, o)))
 
 
+def _generic_gemm(x: np.ndarray, w: np.ndarray, offsets: np.ndarray, *, transpose: str) -> np.ndarray:
+    wt = w if transpose == "NT" else np.swapaxes(w, 1, 2)  # NN weights are [E, I, O]
+    return _grouped_gemm("grouped_gemm")(x, wt, offsets)
+
+
+def _generic_gemm_infer(ctx: InferContext) -> list[TensorType]:
+    _check_rank(ctx, 1, 3, "weight")
+    if ctx.attrs["transpose"] == "NN":  # weight [G, I, O]: checked as the NT layout [G, O, I]
+        g, i, o = ctx.shape(1)
+        ctx = InferContext(ctx.op, (ctx.inputs[0], TensorType((g, o, i), ctx.dtype(1)), *ctx.inputs[2:]),
+                           ctx.attrs)
+    return _grouped_gemm_infer(ctx, "x")
+
+
+def _generic_gemm_backward(ctx: BackwardContext) -> list[str | None]:
+    nt = ctx.attrs["transpose"] == "NT"
+    dx = dw = None
+    if ctx.needs_grad(0):  # NT: dx_e = d_e @ W_e;  NN: dx_e = d_e @ W_e^T
+        dx = ctx.emit("moe_grouped_gemm_dx" if nt else "grouped_gemm", ctx.d_out, ctx.saved(1), ctx.saved(2),
+                      transpose=None if nt else "NT")
+    if ctx.needs_grad(1):  # NT: dW_e = d_e^T @ x_e;  NN: dW_e = x_e^T @ d_e
+        a, b = (ctx.d_out, ctx.saved(0)) if nt else (ctx.saved(0), ctx.d_out)
+        dw = ctx.emit("moe_grouped_gemm_dw", a, b, ctx.saved(2))
+    return [dx, dw, None]
+
+
+def _generic_gemm_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    for transpose in ("NT", "NN"):
+        for sample in _grouped_gemm_samples(1)(rng):
+            x, w, offsets = sample.inputs
+            assert w is not None
+            yield Sample((x, w if transpose == "NT" else np.swapaxes(w, 1, 2).copy(), offsets),
+                         {"transpose": transpose})
+
+
 _ROUTER_ATTRS = (AttrSpec("dtype", "dtype", "fp32"),)
 
 
@@ -378,6 +413,15 @@ CORE_OPS = [
         attrs=(AttrSpec("normalize", "bool", False),),
         cost=lambda s, a: Cost(flops=4.0 * np.prod(s[0]), bytes=_nbytes(s[0], s[0], s[1])),
         doc="Scatters d_weights (through the renormalisation if normalize) into a zero [N, E] d_probs.",
+    ),
+    core_op(
+        "grouped_gemm", ("x", "weight", "offsets"), ("out",), _generic_gemm, _generic_gemm_infer,
+        backward=_generic_gemm_backward, attrs=(AttrSpec("transpose", "str", "NT", ("NT", "NN")),),
+        samples=_generic_gemm_samples, nondiff_inputs={2}, flop_heavy=True,
+        cost=lambda s, a: _grouped_gemm_cost(s if a["transpose"] == "NT" else
+                                             [s[0], (s[1][0], s[1][2], s[1][1])], a),
+        doc="out [R, O] = rows offsets[g]:offsets[g + 1] of x [R, I] times weight[g]: its transpose for NT "
+            "(weight [G, O, I], the seed's layout) or itself for NN (weight [G, I, O]); offsets [G + 1] int.",
     ),
     core_op(
         "moe_permute", ("x", "indices"), ("x_perm", "scatter_idx", "expert_offsets"), _permute,

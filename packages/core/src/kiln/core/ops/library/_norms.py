@@ -176,6 +176,42 @@ def _rms_cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
     return Cost(flops=4.0 * n, bytes=4.0 * (2 * n + shapes[0][-1]))
 
 
+# --- qk_norm: rmsnorm of q and of k, each over its head dim --------------------------------------
+
+
+def _qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, *,
+             eps: float) -> tuple[np.ndarray, ...]:
+    (q_norm, q_rstd), (k_norm, k_rstd) = _rmsnorm(q, q_weight, eps=eps), _rmsnorm(k, k_weight, eps=eps)
+    return q_norm, k_norm, q_rstd, k_rstd
+
+
+def _qk_norm_infer(ctx: InferContext) -> list[TensorType]:
+    _check_norm(ctx, 0, 2)
+    _check_norm(ctx, 1, 3)
+    if len(ctx.shape(0)) != len(ctx.shape(1)):
+        raise ctx.fail(f"q and k differ in rank: [{', '.join(map(str, ctx.shape(0)))}] vs "
+                       f"[{', '.join(map(str, ctx.shape(1)))}]")
+    return [_like(ctx, 0), _like(ctx, 1), _stat(ctx, 0), _stat(ctx, 1)]
+
+
+def _qk_norm_backward(ctx: BackwardContext) -> list[str | None]:
+    grads: list[str | None] = [None] * 4
+    for x, w in ((0, 2), (1, 3)):  # q with q_weight, k with k_weight: two independent rmsnorms
+        d_y, d_rstd = ctx.d_outputs[x], ctx.d_outputs[x + 2]
+        if (d_y is None and d_rstd is None) or not (ctx.needs_grad(x) or ctx.needs_grad(w)):
+            continue
+        d_x, d_w = ctx.emit("rmsnorm_backward", d_y, ctx.saved(x), ctx.saved_output(x + 2), ctx.saved(w),
+                            d_rstd)
+        grads[x] = d_x if ctx.needs_grad(x) else None
+        grads[w] = d_w if ctx.needs_grad(w) else None
+    return grads
+
+
+def _qk_norm_samples(rng: np.random.Generator) -> Iterator[Sample]:
+    yield Sample((randn(rng, 2, 4, 3, 5), randn(rng, 2, 2, 3, 5), randn(rng, 5), randn(rng, 5)), {})
+    yield Sample((randn(rng, 3, 6), randn(rng, 2, 6), randn(rng, 6), randn(rng, 6)), {"eps": 0.3})
+
+
 # --- fused residual + rmsnorm --------------------------------------------------------------------
 
 
@@ -367,6 +403,14 @@ CORE_OPS = [
         _rmsnorm_bwd_kernel, _rmsnorm_bwd_infer, cost=lambda s, a: _rms_cost(s[1:], a),
         out_kernel=_rmsnorm_bwd_out, samples=_rms_bwd_samples,
         doc="Gradients of rmsnorm from d_y and (optionally) d_rstd; d_weight sums over all leading dims.",
+    ),
+    core_op(
+        "qk_norm", ("q", "k", "q_weight", "k_weight"), ("q_norm", "k_norm", "q_rstd", "k_rstd"), _qk_norm,
+        _qk_norm_infer, backward=_qk_norm_backward, attrs=_EPS_RMS, samples=_qk_norm_samples,
+        cost=lambda s, a: Cost(flops=_rms_cost(s[:1], a).flops + _rms_cost(s[1:2], a).flops,
+                               bytes=_rms_cost(s[:1], a).bytes + _rms_cost(s[1:2], a).bytes),
+        doc="(q_norm, q_rstd) = rmsnorm(q, q_weight) and (k_norm, k_rstd) = rmsnorm(k, k_weight), each over "
+            "the last (head) dim; q and k have one rank (heads may differ), rstd drops the last dim.",
     ),
     core_op(
         "fused_residual_rmsnorm", ("residual", "x", "weight"), ("residual_out", "y", "rstd"), _fused,

@@ -86,6 +86,7 @@ def _view_def(name: str) -> CoreOp:
     return core_op(
         name, ("x",), ("out",), _view, _view_infer, backward=_view_backward(name),
         attrs=(AttrSpec("shape", "dims"),), samples=_view_samples, cost=lambda s, a: Cost(), alias=True,
+        any_dtype=True,
         doc="The same elements in row-major order under a new shape; one -1 dim is inferred.",
     )
 
@@ -210,7 +211,7 @@ def _copy_def(name: str, doc: str, alias: bool = False) -> CoreOp:
     return core_op(name, ("x",), ("out",), lambda x: x.copy(), same_as(), backward=_identity_backward,
                    out_kernel=lambda x, *, out: np.copyto(out[0], x),
                    samples=lambda rng: [Sample((randn(rng, 3, 4),), {})],
-                   cost=lambda s, a: Cost(bytes=2 * _bytes(s)), alias=alias, doc=doc)
+                   cost=lambda s, a: Cost(bytes=2 * _bytes(s)), alias=alias, any_dtype=True, doc=doc)
 
 
 CORE_OPS = [
@@ -223,6 +224,7 @@ CORE_OPS = [
         samples=lambda rng: [Sample((randn(rng, 2, 3, 4),), {"dim0": 0, "dim1": -1}),
                              Sample((randn(rng, 3, 5),), {"dim0": 1, "dim1": 0})],
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
+        any_dtype=True,
         doc="x with axes dim0 and dim1 swapped.",
     ),
     core_op(
@@ -231,18 +233,21 @@ CORE_OPS = [
         samples=lambda rng: [Sample((randn(rng, 2, 3, 4),), {"dims": (2, 0, 1)}),
                              Sample((randn(rng, 2, 3, 1, 4),), {"dims": (0, -2, 3, 1)})],
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
+        any_dtype=True,
         doc="x with its axes reordered: output axis k is input axis dims[k].",
     ),
     core_op(
         "split", ("x",), ("*parts",), _split, _split_infer, backward=_split_backward,
         attrs=(AttrSpec("sizes", "dims"), AttrSpec("dim", "int", -1)), samples=_split_samples,
         cost=lambda s, a: Cost(),
+        any_dtype=True,
         doc="Consecutive slices of x along dim, one output per entry of sizes (which sum to that dim).",
     ),
     core_op(
         "concat", ("*xs",), ("out",), _concat, _concat_infer, backward=_concat_backward,
         attrs=(AttrSpec("dim", "int", -1),), samples=_concat_samples,
         cost=lambda s, a: Cost(bytes=2 * _bytes(s)),
+        any_dtype=True,
         doc="The inputs joined along dim (equal shapes elsewhere).",
     ),
     _copy_def("copy", "A copy of x."),
