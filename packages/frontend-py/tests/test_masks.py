@@ -87,3 +87,14 @@ def test_bad_masks_and_positions_name_the_culprit(model: Model) -> None:
         model.logits(ids, attention_mask=np.ones((2, 4), np.int64))
     with pytest.raises(KilnError, match="position_ids must be an integer array"):
         model.logits(ids, position_ids=np.zeros((2, 5)))
+
+
+def test_a_sliding_window_bounds_what_each_layer_sees() -> None:
+    # window 3, 2 layers: a token reaches positions at most 2 * (3 - 1) = 4 after it, and no further
+    config = {k: v for k, v in TINY.items() if k != "pad_token_id"}
+    mistral = Model(build_bundle("MistralModel", {**config, "sliding_window": 3}), seed=1, dtype="float64")
+    ids = np.random.default_rng(4).integers(1, 61, (1, 10))
+    changed = ids.copy()
+    changed[0, 0] = (ids[0, 0] + 1) % 61
+    delta = np.abs(mistral.logits(ids) - mistral.logits(changed)).max(axis=-1)[0]
+    assert (delta[:5] > 0).all() and (delta[5:] == 0).all(), delta

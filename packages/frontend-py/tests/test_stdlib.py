@@ -49,6 +49,8 @@ MODELS = {
                                                        "shared_d_ff": 8, "norm_topk_prob": False}),
     "qwen3-moe-interleaved": ("Qwen3MoEModel", {**TINY, **MOE, "n_layers": 4, "decoder_sparse_step": 2}),
     "hyper-connection": ("HyperConnectionModel", {**TINY, "n_streams": 3, "hc_sinkhorn_iters": 3}),
+    "mistral-window": ("MistralModel", {**TINY, "sliding_window": 3}),
+    "mixtral": ("MixtralModel", {k: v for k, v in {**TINY, **MOE}.items() if k != "d_ff"}),
 }
 
 

@@ -28,6 +28,7 @@ VOCAB, BATCH, SEQ = 97, 2, 24
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
          "rms_norm_eps": 1e-6}
+NO_HEAD_DIM = {k: v for k, v in SMALL.items() if k != "head_dim"}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -46,9 +47,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # dense and MoE layers interleaved (decoder_sparse_step and mlp_only_layers); no head_dim in the
     # config: transformers takes hidden_size // num_attention_heads
     "qwen3-moe-interleaved": ("Qwen3MoeConfig", {
-        **{k: v for k, v in SMALL.items() if k != "head_dim"}, "num_hidden_layers": 5, "num_experts": 4,
+        **NO_HEAD_DIM, "num_hidden_layers": 5, "num_experts": 4,
         "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 16,
         "decoder_sparse_step": 2, "mlp_only_layers": [3], "tie_word_embeddings": False}),
+    # a window shorter than the sequence, so that it masks; no head_dim: hidden_size // heads
+    "mistral-window": ("MistralConfig", {**NO_HEAD_DIM, "sliding_window": 7, "tie_word_embeddings": False}),
+    "mixtral": ("MixtralConfig", {**NO_HEAD_DIM, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 9, "tie_word_embeddings": False}),
 }
 
 
@@ -246,7 +251,8 @@ def test_a_packed_sequence_equals_its_documents_unpacked(tmp_path: Path) -> None
 
 
 ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "Qwen3ForCausalLM": "Qwen3Config",
-                "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+                "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MistralForCausalLM": "MistralConfig",
+                "MixtralForCausalLM": "MixtralConfig"}
 
 
 @pytest.mark.parametrize("arch", ARCH_CONFIGS)
@@ -257,14 +263,14 @@ def test_kiln_defaults_are_the_transformers_config_defaults(arch: str) -> None:
     derived = {"num_key_value_heads": theirs.num_attention_heads,
                "head_dim": theirs.hidden_size // theirs.num_attention_heads}
     for key, ours in HF_DEFAULTS[arch].items():
-        value = getattr(theirs, key, None)
+        value = theirs.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(theirs, key, None)
         if ours is None and key in derived:  # transformers derives it, as kiln's models do
             assert value in (None, derived[key]), key
         else:
             assert value == ours, key
 
 
-@pytest.mark.parametrize("case", ["llama-attention-bias", "qwen3-untied", "qwen3-moe-interleaved"])
+@pytest.mark.parametrize("case", ["llama-attention-bias", "qwen3-untied", "qwen3-moe-interleaved", "mixtral"])
 def test_a_config_without_its_default_keys_loads_as_transformers_reads_it(case: str,
                                                                           tmp_path: Path) -> None:
     make_checkpoint(case, tmp_path)

@@ -109,7 +109,7 @@ def run_side_by_side(case: str, tmp_path: Path, *, schedule: str = "cosine", kil
 
 
 @pytest.mark.parametrize("case", ["qwen3-tied", "qwen3-untied", "llama-attention-bias", "qwen3-pad-tied",
-                                  "llama-pad", "qwen3-moe-interleaved"])
+                                  "llama-pad", "qwen3-moe-interleaved", "mistral-window", "mixtral"])
 def test_twenty_steps_track_transformers(case: str, tmp_path: Path) -> None:
     run_side_by_side(case, tmp_path)
 

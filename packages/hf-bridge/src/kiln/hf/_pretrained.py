@@ -40,27 +40,36 @@ CONFIG_NAME = "config.json"
 ROPE_PARAM = "rope_freqs"
 # transformers' attribute_map aliases: configs may hold a value under the other name
 _ALIASES = {"num_experts": "num_local_experts"}
-_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False,
-                    "pad_token_id": None}
+_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "pad_token_id": None,
+                    "rope_theta": 10000.0}
 #: transformers' defaults (its config classes') for every config key kiln reads: what a key a
 #: config.json omits means. None where transformers derives the value (``num_key_value_heads`` =
 #: ``num_attention_heads``, ``head_dim`` = ``hidden_size // num_attention_heads``), as the DSL models
-#: do; RoPE's theta (default 10000) comes from :func:`rope_parameters`.
+#: do; ``rope_theta`` is the one a config without ``rope_parameters`` (or ``rope_theta``) has.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
-        **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": None, "intermediate_size": 11008,
-        "max_position_embeddings": 2048, "head_dim": None, "mlp_bias": False},
+        **_COMMON_DEFAULTS, "attention_bias": False, "vocab_size": 32000, "hidden_size": 4096,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "intermediate_size": 11008, "max_position_embeddings": 2048, "head_dim": None, "mlp_bias": False},
     "Qwen3ForCausalLM": {
-        **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016,
-        "max_position_embeddings": 32768, "head_dim": 128},
+        **_COMMON_DEFAULTS, "attention_bias": False, "vocab_size": 151936, "hidden_size": 4096,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 22016, "max_position_embeddings": 32768, "head_dim": 128},
     "Qwen3MoeForCausalLM": {
-        **_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
-        "max_position_embeddings": 32768, "head_dim": None, "num_experts": 128, "num_experts_per_tok": 8,
-        "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
-        "mlp_only_layers": []},
+        **_COMMON_DEFAULTS, "attention_bias": False, "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "intermediate_size": 6144, "max_position_embeddings": 32768, "head_dim": None, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "MistralForCausalLM": {
+        **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "head_dim": None, "sliding_window": 4096},
+    "MixtralForCausalLM": {
+        **_COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "vocab_size": 32000,
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "head_dim": None,
+        "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 _ACTIVATIONS = ("silu", "swish")
 _SAVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -118,6 +127,9 @@ def _check(config: Mapping[str, Any], file: Path) -> None:
                             key="hidden_act", file=file)
     if config.get("use_sliding_window"):
         raise HFConfigError("sliding-window attention is not supported", key="use_sliding_window", file=file)
+    if config.get("router_jitter_noise"):
+        raise HFConfigError("router jitter noise is not supported (kiln's routers are deterministic)",
+                            key="router_jitter_noise", file=file)
     kinds = set(config.get("layer_types") or ()) - {"full_attention"}
     if kinds:
         raise HFConfigError(f"layer types {sorted(kinds)} are not supported; kiln runs full attention",
@@ -132,7 +144,7 @@ def _dsl_config(config: Mapping[str, Any], arch: str, file: Path) -> tuple[dict[
             given[name] = given[alias]
     out = {**HF_DEFAULTS.get(arch, {}), **given}
     try:
-        rope = rope_parameters(config)
+        rope = rope_parameters(out)
     except HFConfigError as e:
         raise HFConfigError(e.message, key=e.key, file=file) from None
     table = rope["rope_type"] != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0

@@ -27,11 +27,12 @@ MLP_UP_LORA = [("gate", 0, "M"), ("up", "M", "M")]
 
 def _init_attention(blk: Any, d_model: int, num_query_heads: int, num_kv_heads: int, head_size: int | None,
                     max_seq: int, eps: float, rope_theta: float, use_qkv_bias: bool, use_qk_norm: bool,
-                    use_out_bias: bool) -> None:
+                    use_out_bias: bool, sliding_window: int | None = None) -> None:
     blk.d_model, blk.num_query_heads, blk.num_kv_heads = d_model, num_query_heads, num_kv_heads
     blk.head_size = head_size if head_size is not None else d_model // num_query_heads
     blk.max_seq, blk.eps, blk.rope_theta = max_seq, eps, float(rope_theta)
     blk.use_qkv_bias, blk.use_qk_norm, blk.use_out_bias = use_qkv_bias, use_qk_norm, use_out_bias
+    blk.sliding_window = sliding_window  # keys a query sees, its own included (HF's sliding_window)
     blk.C, blk.Hq, blk.Hkv = Dim("d_model"), Dim("num_query_heads"), Dim("num_kv_heads")
     blk.D = Dim("head_size")
     blk.QKV = (blk.Hq + 2 * blk.Hkv) * blk.D
@@ -52,7 +53,8 @@ def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any, segment_ids: Any) 
         eps=blk.eps, theta=blk.rope_theta, qkv_out_name="qkv_rope", q_rstd_name="q_rstd",
         k_rstd_name="k_rstd",
     )
-    att, _ = g.flash_attention(qkv_rope, segment_ids, causal=True, out_name="att", lse_name="lse")
+    att, _ = g.flash_attention(qkv_rope, segment_ids, causal=True, window_size=blk.sliding_window,
+                               out_name="att", lse_name="lse")
     att_flat = g.view(att, shape=[B * T, blk.AttnDim], out_name="att_flat")
     if blk.use_out_bias:
         att_out_flat = g.matmul_bias(att_flat, "out_weight", "out_bias", out_name="att_out_flat", **_MATMUL)
@@ -231,9 +233,10 @@ class DenseTransformerBlock(_PreNormAttention):
         use_qkv_bias: bool = False,
         use_qk_norm: bool = False,
         use_out_bias: bool = False,
+        sliding_window: int | None = None,
     ):
         _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
-                        use_qkv_bias, use_qk_norm, use_out_bias)
+                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window)
         self.d_ff = d_ff
         self.M = Dim("d_ff")
         self.MUp = 2 * self.M
@@ -320,9 +323,10 @@ class MoETransformerBlock(_PreNormAttention):
         use_qkv_bias: bool = False,
         use_qk_norm: bool = True,
         use_out_bias: bool = False,
+        sliding_window: int | None = None,
     ):
         _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
-                        use_qkv_bias, use_qk_norm, use_out_bias)
+                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window)
         self.num_experts, self.num_experts_per_tok, self.moe_d_ff = num_experts, num_experts_per_tok, moe_d_ff
         self.norm_topk_prob, self.shared_d_ff = norm_topk_prob, shared_d_ff
         self.use_shared_expert = shared_d_ff > 0

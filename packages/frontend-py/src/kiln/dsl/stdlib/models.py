@@ -35,7 +35,8 @@ from kiln.dsl import (
 )
 from kiln.dsl.stdlib.blocks import DenseTransformerBlock, HyperConnectionBlock, MoETransformerBlock
 
-__all__ = ["HyperConnectionModel", "LlamaModel", "Qwen3MoEModel", "Qwen3Model"]
+__all__ = ["HyperConnectionModel", "LlamaModel", "MistralModel", "MixtralModel", "Qwen3MoEModel",
+           "Qwen3Model"]
 
 F = "fp32"
 _LAYER = "model.layers.{layer}."
@@ -224,6 +225,86 @@ class Qwen3Model(_CausalLM):
         rope_parameters: dict[str, Any] | None = None,
     ):
         self._configure(locals())
+
+
+@model
+@hf_config(architecture="MistralForCausalLM", model_type="mistral", **_DENSE_HF,
+           sliding_window="sliding_window")
+class MistralModel(_CausalLM):
+    """Mistral: Llama's layout with sliding-window attention (each query sees its ``sliding_window``
+    last keys, its own included; None: all)."""
+
+    blocks = Param(Array["n_layers", DenseTransformerBlock])
+    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MLP_MAPPINGS}
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        d_model: int = 4096,
+        n_layers: int = 32,
+        num_query_heads: int = 32,
+        num_kv_heads: int | None = 8,
+        d_ff: int = 14336,
+        max_seq: int = 131072,
+        head_size: int | None = None,
+        eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        use_qkv_bias: bool = False,
+        sliding_window: int | None = 4096,
+        tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+    ):
+        self._configure(locals())
+        self.use_qk_norm = False
+
+
+#: HF keys of Mixtral's sparse MLP: the router ``gate``, experts ``w1`` (gate), ``w3`` (up), ``w2`` (down)
+MIXTRAL_MAPPINGS = {
+    "router_weight": _proj("block_sparse_moe.gate"),
+    "experts_gate_up": stack_experts(_LAYER + "block_sparse_moe.experts.{expert}.w1.weight",
+                                     fuse_gate_up=True,
+                                     up_pattern=_LAYER + "block_sparse_moe.experts.{expert}.w3.weight"),
+    "experts_down": stack_experts(_LAYER + "block_sparse_moe.experts.{expert}.w2.weight"),
+}
+
+
+@model
+@hf_config(architecture="MixtralForCausalLM", model_type="mixtral",
+           **{k: v for k, v in _DENSE_HF.items() if k != "d_ff"}, num_experts="num_local_experts",
+           num_experts_per_tok="num_experts_per_tok", moe_d_ff="intermediate_size",
+           sliding_window="sliding_window")
+class MixtralModel(_CausalLM):
+    """Mixtral: Mistral's attention; every MLP a mixture of SwiGLU experts, the top-k router
+    probabilities renormalised to sum to 1."""
+
+    blocks = Param(Array["n_layers", MoETransformerBlock])
+    _hf_block_mappings_: ClassVar[dict[str, Any]] = {**ATTENTION_MAPPINGS, **MIXTRAL_MAPPINGS}
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        d_model: int = 4096,
+        n_layers: int = 32,
+        num_query_heads: int = 32,
+        num_kv_heads: int | None = 8,
+        max_seq: int = 131072,
+        head_size: int | None = None,
+        eps: float = 1e-5,
+        rope_theta: float = 1000000.0,
+        use_qkv_bias: bool = False,
+        sliding_window: int | None = None,
+        num_experts: int = 8,
+        num_experts_per_tok: int = 2,
+        moe_d_ff: int = 14336,
+        tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_parameters: dict[str, Any] | None = None,
+    ):
+        self._configure(locals())
+        self.use_qk_norm, self.norm_topk_prob = False, True
 
 
 def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int,
