@@ -16,6 +16,7 @@ from kiln.dist._communicators import (
 )
 from kiln.dist._launch import launch, launched, launcher
 from kiln.dist._parallel import DataParallel
+from kiln.dist._tensor import shard, tensor_parallel
 
 __version__ = version("kiln-dist")
 
@@ -30,4 +31,6 @@ __all__ = [
     "launcher",
     "mpi_available",
     "nccl_available",
+    "shard",
+    "tensor_parallel",
 ]

@@ -14,14 +14,24 @@ from kiln.dist._communicators import (
     nccl_available,
 )
 from kiln.dist._ops import OPS
+from kiln.dist._tensor import TP_OPS, tensor_parallel
 
 hookimpl = pluggy.HookimplMarker("kiln")
 
 
 @hookimpl
 def kiln_register_ops(registry: Any) -> None:
-    for opdef in OPS:
+    for opdef in (*OPS, *TP_OPS):
         registry.register_op(opdef)
+
+
+@hookimpl
+def kiln_register_graph_passes(registry: Any) -> None:
+    from kiln.core import GraphPass
+
+    registry.register("tensor_parallel", GraphPass("tensor_parallel", tensor_parallel, stage="shard",
+                                                   doc="Megatron-LM tensor parallelism of the dense blocks: "
+                                                       "{'communicator': 'mpi'}"))
 
 
 @hookimpl

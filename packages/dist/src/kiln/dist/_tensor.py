@@ -1,0 +1,172 @@
+"""Tensor parallelism (Megatron-LM's): each rank holds a slice of every layer's attention heads and MLP
+columns, and two collectives per sublayer keep the ranks in step.
+
+The ``tensor_parallel`` graph pass (stage ``shard``) rewrites each standard dense transformer block
+(kiln-dsl's ``DenseTransformerBlock``: Llama, Qwen3, Mistral) for one rank of ``world``:
+
+- its config's query heads, KV heads and MLP width become ``1/world`` of the model's: the packed
+  ``qkv_weight`` holds the rank's query, key and value heads, ``out_weight`` their columns,
+  ``mlp_up_weight`` its rows of gate and of up, ``mlp_down_weight`` its columns (:func:`shard`);
+- ``tp_copy`` (forward: identity; backward: all-reduce) feeds the column-parallel matmuls (QKV, MLP
+  up) and the QK-norm weights, whose gradients are partial on each rank;
+- ``tp_all_reduce`` (forward: all-reduce; backward: identity) sums the row-parallel matmuls' partial
+  outputs (attention output, MLP down).
+
+The embedding, norms and LM head stay whole on every rank, and every rank runs the same batch; the
+loss and every weight match one process on the whole model. What it does not do yet: MoE blocks,
+biases of the output projections (they would be added once per rank), vocabulary-parallel embedding
+and cross-entropy, gradient clipping (each rank would clip by its own slices' norm: train with
+``max_grad_norm=None``), and recompute of the rewritten blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kiln.core import AttrSpec, BackwardContext, InferContext, KilnError, OpDef, TensorType, get_registry
+from kiln.core.ir import Bundle, Module, Op
+
+__all__ = ["TP_OPS", "shard", "tensor_parallel"]
+
+_COMM = AttrSpec("communicator", "str")
+#: the column-parallel matmuls' inputs and the row-parallel matmuls' outputs, by tensor name
+COLUMN_INPUTS = {"qkv_flat": "ln1_flat", "mlp_up_flat": "ln2_flat"}
+ROW_OUTPUTS = ("att_out_flat", "mlp_down_flat")
+#: the block parameters whose gradient is partial on each rank (each sees its own heads)
+PARTIAL_GRADS = ("q_norm_weight", "k_norm_weight")
+
+
+def _tp_copy(x: np.ndarray, *, communicator: str) -> np.ndarray:
+    out: np.ndarray = x.copy()
+    return out
+
+
+def _tp_all_reduce(x: np.ndarray, *, communicator: str) -> np.ndarray:
+    out: np.ndarray = np.array(x, copy=True)
+    get_registry("communicators")[communicator].all_reduce(out)
+    return out
+
+
+def _same(ctx: InferContext) -> list[TensorType]:
+    return [TensorType(ctx.shape(0), ctx.dtype(0))]
+
+
+def _copy_backward(ctx: BackwardContext) -> list[str | None]:
+    if ctx.d_out is None:
+        return [None]
+    return [ctx.emit("tp_all_reduce", ctx.d_out, communicator=ctx.attrs["communicator"])]
+
+
+def _all_reduce_backward(ctx: BackwardContext) -> list[str | None]:
+    if ctx.d_out is None:
+        return [None]
+    return [ctx.emit("copy", ctx.d_out)]
+
+
+TP_OPS = [
+    OpDef("tp_copy", ("x",), ("out",), _tp_copy, _same, backward=_copy_backward, attrs=(_COMM,),
+          collective=True,
+          doc="Tensor parallelism's f: the input as it is; its gradient summed over the ranks."),
+    OpDef("tp_all_reduce", ("x",), ("out",), _tp_all_reduce, _same, backward=_all_reduce_backward,
+          attrs=(_COMM,), collective=True,
+          doc="Tensor parallelism's g: the input summed over the ranks; its gradient as it is."),
+]
+
+
+def _split(value: int, world: int, what: str, block: str) -> int:
+    if value % world:
+        raise KilnError(f"block {block!r}: {what} = {value} is not a multiple of the {world} "
+                        "tensor-parallel ranks",
+                        hint="choose a tensor-parallel degree that divides the heads and the MLP width")
+    return value // world
+
+
+def _shard_block(block: Module, world: int, comm: str) -> Module:
+    cfg = dict(block.config)
+    if cfg.get("use_out_bias"):
+        raise KilnError(f"block {block.name!r}: tensor parallelism does not support output-projection biases "
+                        "yet (each rank would add the bias)")
+    hq = _split(int(cfg["Hq"]), world, "query heads", block.name)
+    hkv = _split(int(cfg["Hkv"]), world, "KV heads (GQA)", block.name)
+    m = _split(int(cfg["M"]), world, "MLP width", block.name)
+    cfg.update(Hq=hq, Hkv=hkv, M=m, num_query_heads=hq, num_kv_heads=hkv, d_ff=m)
+    assert block.forward is not None
+    params = {d.name for d in block.forward.params}
+    ops: list[Op] = []
+    for op in block.forward.ops:
+        ins = list(op.inputs)
+        for out, src in COLUMN_INPUTS.items():
+            if out in op.outputs and src in ins:
+                ops.append(Op("tp_copy", (src,), (f"{src}:tp",), {"communicator": comm}))
+                ins[ins.index(src)] = f"{src}:tp"
+        for name in PARTIAL_GRADS:
+            if name in ins and name in params:
+                ops.append(Op("tp_copy", (name,), (f"{name}:tp",), {"communicator": comm}))
+                ins[ins.index(name)] = f"{name}:tp"
+        outs = list(op.outputs)
+        reduce = [o for o in outs if o in ROW_OUTPUTS]
+        outs = [f"{o}:partial" if o in ROW_OUTPUTS else o for o in outs]
+        ops.append(op.evolve(inputs=tuple(ins), outputs=tuple(outs)))
+        ops += [Op("tp_all_reduce", (f"{o}:partial",), (o,), {"communicator": comm}) for o in reduce]
+    return block.evolve(config=cfg, forward=block.forward.evolve(ops=tuple(ops)))
+
+
+def tensor_parallel(bundle: Bundle, options: Mapping[str, Any]) -> Bundle:
+    """The ``tensor_parallel`` pass: ``{"communicator": "mpi"}`` (its world size is the degree)."""
+    unknown = set(options) - {"communicator"}
+    if unknown:
+        raise KilnError("graph pass 'tensor_parallel' takes 'communicator', not "
+                        f"{', '.join(sorted(unknown))}")
+    comm = str(options.get("communicator", "mpi"))
+    world = get_registry("communicators")[comm].world_size
+    if world == 1:
+        return bundle
+    modules = []
+    for m in bundle.modules:
+        if m.kind == "block":
+            names = {p.name for p in m.params}
+            if "experts_gate_up" in names:
+                raise KilnError(f"block {m.name!r}: tensor parallelism of MoE blocks is not supported yet")
+            if {"qkv_weight", "out_weight", "mlp_up_weight", "mlp_down_weight"} <= names:
+                m = _shard_block(m, world, comm)
+        modules.append(m)
+    return bundle.evolve(modules=tuple(modules))
+
+
+def shard(parameters: Mapping[str, np.ndarray], bundle: Bundle, rank: int,
+          world: int) -> dict[str, np.ndarray]:
+    """A rank's slices of the whole model's ``parameters`` (kiln names), as :func:`tensor_parallel`
+    lays them out for that rank: what ``Model.set_parameters`` takes on it."""
+    blocks = {m.name: m for m in bundle.modules if m.kind == "block"}
+    model = bundle.module(bundle.entry)
+    stacks = {p.name: blocks.get(str(p.array_of)) for p in model.params if p.array_of is not None}
+    out: dict[str, np.ndarray] = {}
+    for name, value in parameters.items():
+        stack, _, rest = name.partition(".")
+        block = stacks.get(stack)
+        param = rest.partition(".")[2]
+        if block is None or "experts_gate_up" in {p.name for p in block.params}:
+            out[name] = value
+            continue
+        cfg = block.config
+        d, hq, hkv, m = (int(cfg[k]) for k in ("D", "Hq", "Hkv", "M"))
+
+        def part(start: int, size: int, value: np.ndarray = value) -> np.ndarray:
+            """This rank's share of rows ``[start, start + size)``."""
+            return value[start + rank * size // world: start + (rank + 1) * size // world]
+
+        if param in ("qkv_weight", "qkv_bias"):
+            q, k = hq * d, hkv * d
+            out[name] = np.concatenate([part(0, q), part(q, k), part(q + k, k)])
+        elif param == "mlp_up_weight":
+            out[name] = np.concatenate([part(0, m), part(m, m)])
+        elif param == "out_weight":
+            out[name] = value[:, rank * hq * d // world: (rank + 1) * hq * d // world]
+        elif param == "mlp_down_weight":
+            out[name] = value[:, rank * m // world: (rank + 1) * m // world]
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,47 @@
+"""One rank of the tensor-parallel test: a tiny Qwen3 whose blocks the ``tensor_parallel`` pass
+shards over the ranks, trained for a few steps; ``python _tp_worker.py OUT`` saves the rank's losses,
+gathered parameters and parameter bytes to ``OUT/rank<r>.npz``. ``train(None)`` is one process."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from kiln.core import AdamW, Model, get_registry
+from kiln.dist import shard
+from kiln.dsl import build_bundle
+
+CONFIG = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2,
+          "head_size": 8, "d_ff": 48, "max_seq": 16}
+STEPS = 5
+
+
+def batches() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(STEPS):
+        ids = rng.integers(0, CONFIG["vocab_size"], (2, 9))
+        out.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    return out
+
+
+def train(rank_world: tuple[int, int] | None) -> tuple[Model, list[float]]:
+    bundle = build_bundle("Qwen3Model", CONFIG)
+    opt = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=None)
+    # float64: the order of the sums shows less
+    full = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64")
+    if rank_world is None:
+        return full, [full.train_step(b)["loss"] for b in batches()]
+    model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64", init=None,
+                          passes=[("tensor_parallel", {"communicator": "mpi"})])
+    model.set_parameters(shard(full.parameters(), bundle, *rank_world))
+    return model, [model.train_step(b)["loss"] for b in batches()]
+
+
+if __name__ == "__main__":
+    comm = get_registry("communicators")["mpi"]
+    model, losses = train((comm.rank, comm.world_size))
+    np.savez(f"{sys.argv[1]}/rank{comm.rank}.npz", losses=np.array(losses),
+             param_bytes=sum(v.nbytes for v in model.parameters().values()),
+             **{f"param:{k}": v for k, v in model.parameters().items()})
