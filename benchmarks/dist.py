@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sides import CONFIGS, LR, MAX_GRAD_NORM, ROPE_THETA, _batch
+from sides import CONFIGS, LR, MAX_GRAD_NORM, _batch, kiln_bundle
 
 
 def step_times(config: str, steps: int, *, half: bool = False, ranks: int = 1) -> list[float]:
     """Seconds of each timed training step (after one warm-up step), on rank 0."""
-    import kiln.dsl
     from kiln.core import AdamW, Model
 
     c = CONFIGS[config]
@@ -44,13 +43,7 @@ def step_times(config: str, steps: int, *, half: bool = False, ranks: int = 1) -
         from kiln.dist import DataParallel
 
         dp = DataParallel("mpi")
-    bundle = kiln.dsl.build_bundle("Qwen3Model", {
-        "vocab_size": c["vocab"], "d_model": c["hidden"], "n_layers": c["layers"],
-        "num_query_heads": c["heads"], "num_kv_heads": c["kv_heads"], "d_ff": c["intermediate"],
-        "max_seq": c["seq"], "head_size": c["head_dim"], "rope_theta": ROPE_THETA,
-        "tie_word_embeddings": False,
-    })
-    model = Model.from_ir(bundle, seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM),
+    model = Model.from_ir(kiln_bundle(c), seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM),
                           data_parallel=dp)
     ids = _batch(c)
     if half:

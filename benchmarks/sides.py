@@ -92,23 +92,28 @@ def _blas() -> list[dict[str, Any]]:
 # --- kiln ------------------------------------------------------------------------------------------
 
 
-def kiln_side(c: dict[str, int], recompute: str = "none") -> tuple[Callable[[], None], dict[str, Any],
-                                                                   Callable[[], dict[str, int]]]:
-    import numpy as np
-
-    import kiln.core
+def kiln_bundle(c: dict[str, int]) -> Any:
+    """The config's model as kiln-dsl's Qwen3Model, untied."""
     import kiln.dsl
-    from kiln.core import AdamW, Model
 
     if "Qwen3Model" not in kiln.dsl.list_registered_models():
         raise SystemExit("kiln-dsl has no Qwen3Model: install the kiln packages (nox -s bench does)")
-    bundle = kiln.dsl.build_bundle("Qwen3Model", {
+    return kiln.dsl.build_bundle("Qwen3Model", {
         "vocab_size": c["vocab"], "d_model": c["hidden"], "n_layers": c["layers"],
         "num_query_heads": c["heads"], "num_kv_heads": c["kv_heads"], "d_ff": c["intermediate"],
         "max_seq": c["seq"], "head_size": c["head_dim"], "rope_theta": ROPE_THETA,
         "tie_word_embeddings": False,
     })
-    model = Model.from_ir(bundle, seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM),
+
+
+def kiln_side(c: dict[str, int], recompute: str = "none") -> tuple[Callable[[], None], dict[str, Any],
+                                                                   Callable[[], dict[str, int]]]:
+    import numpy as np
+
+    import kiln.core
+    from kiln.core import AdamW, Model
+
+    model = Model.from_ir(kiln_bundle(c), seed=0, optimizer=AdamW(lr=LR, max_grad_norm=MAX_GRAD_NORM),
                           recompute=recompute)
     ids = _batch(c)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}

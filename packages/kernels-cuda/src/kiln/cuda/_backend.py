@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from kiln.core import PHASES, KilnError, Program, Step, counter_offset, get_registry
+from kiln.core.runtime import optimizer_step
 from kiln.cuda._ops import DeviceArray
 
 
@@ -153,22 +154,8 @@ class CudaExecutable:
             return self._host_closure(step, ins, outs, kw)
         kernel = self.kernels[step.kernel].fn
         if step.how == "optimizer":
-            return self._optimizer_closure(step, kernel, ins, kw)
+            return optimizer_step(step.op.type, kernel, [a for a in ins if a is not None], self.hyper, kw)
         return lambda: kernel(*ins, out=outs, **kw)
-
-    def _optimizer_closure(self, step: Step, kernel: Callable[..., Any], ins: Sequence[DeviceArray | None],
-                           kw: dict[str, Any]) -> Callable[[], None]:
-        hyper = self.hyper
-        arrays = [a for a in ins if a is not None]
-        if step.op.type == "grad_norm":
-            def norm() -> None:
-                opt = hyper["optimizer"]
-                hyper["grad_norm"] = float(kernel(*arrays))
-                hyper["lr"] = opt.lr_at(hyper["step"])
-                hyper["scale"] = opt.clip_scale(hyper["grad_norm"])
-
-            return norm
-        return lambda: kernel(*arrays, step=hyper["step"], lr=hyper["lr"], scale=hyper["scale"], **kw)
 
     def _host_closure(self, step: Step, ins: Sequence[DeviceArray | None], outs: Sequence[DeviceArray | None],
                       kw: dict[str, Any]) -> Callable[[], None]:

@@ -8,7 +8,7 @@ backend (registered through ``kiln_register_backends``) trains a model the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -16,11 +16,28 @@ if TYPE_CHECKING:
 
     from kiln.core.plan._program import Program
 
-__all__ = ["PHASES", "Backend", "Buffer", "Executable"]
+__all__ = ["PHASES", "Backend", "Buffer", "Executable", "optimizer_step"]
 
 #: the phases of a training Program, in the order a step runs them; ``grad_sync`` is empty on one
 #: process (kiln-dist fills it with collectives)
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
+
+
+def optimizer_step(op_type: str, kernel: Callable[..., Any], arrays: Sequence[Any],
+                   hyper: MutableMapping[str, Any], attrs: Mapping[str, Any]) -> Callable[[], None]:
+    """What an Executable runs for a step of the ``optimizer`` phase (``Step.how == "optimizer"``):
+    ``grad_norm`` sets the run-time scalars in ``hyper`` (``grad_norm``, then ``lr`` from the
+    schedule at ``hyper["step"]`` and the clipping ``scale``, from ``hyper["optimizer"]``); any
+    other op (an update, a collective) is called with them."""
+    if op_type == "grad_norm":
+        def norm() -> None:
+            opt = hyper["optimizer"]
+            hyper["grad_norm"] = float(kernel(*arrays))
+            hyper["lr"] = opt.lr_at(hyper["step"])
+            hyper["scale"] = opt.clip_scale(hyper["grad_norm"])
+
+        return norm
+    return lambda: kernel(*arrays, step=hyper["step"], lr=hyper["lr"], scale=hyper["scale"], **attrs)
 
 
 @runtime_checkable

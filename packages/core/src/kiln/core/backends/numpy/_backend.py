@@ -19,6 +19,7 @@ from kiln.core._errors import KilnError
 from kiln.core._threads import blas_held_to_one_thread
 from kiln.core.ops._ops import OpDef, OpRegistry
 from kiln.core.plan._program import FUSED_HEAD, PHASES, Fusion, Program, Step
+from kiln.core.runtime._backend import optimizer_step
 
 Arrays = Sequence[np.ndarray | None]
 
@@ -162,7 +163,7 @@ class Executable:
         opdef = self.registry.get_op(step.op.type)
         kernel = self._kernel(step, opdef)
         if step.how == "optimizer":
-            return self._optimizer_closure(step, kernel, ins, kw)
+            return optimizer_step(step.op.type, kernel, [a for a in ins if a is not None], self.hyper, kw)
         if opdef.random and "offset" in kw:
             return self._random_closure(step, kernel, ins, outs, kw)
         if step.how == "out":
@@ -211,20 +212,6 @@ class Executable:
                     np.copyto(o, r)
 
         return run
-
-    def _optimizer_closure(self, step: Step, kernel: Callable[..., Any], ins: Arrays,
-                           kw: dict[str, Any]) -> Callable[[], None]:
-        hyper = self.hyper
-        arrays = [a for a in ins if a is not None]
-        if step.op.type == "grad_norm":
-            def norm() -> None:
-                opt = hyper["optimizer"]
-                hyper["grad_norm"] = float(kernel(*arrays))
-                hyper["lr"] = opt.lr_at(hyper["step"])
-                hyper["scale"] = opt.clip_scale(hyper["grad_norm"])
-
-            return norm
-        return lambda: kernel(*arrays, step=hyper["step"], lr=hyper["lr"], scale=hyper["scale"], **kw)
 
 
 def counter_offset(base: int, layer: int, step: int) -> int:
