@@ -21,12 +21,21 @@ and cross-entropy, gradient clipping (each rank would clip by its own slices' no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from kiln.core import AttrSpec, BackwardContext, InferContext, KilnError, OpDef, TensorType, get_registry
+from kiln.core import (
+    AttrSpec,
+    BackwardContext,
+    InferContext,
+    KilnError,
+    OpDef,
+    Sample,
+    TensorType,
+    get_registry,
+)
 from kiln.core.ir import Bundle, Module, Op
 
 __all__ = ["TP_OPS", "shard", "tensor_parallel"]
@@ -66,12 +75,17 @@ def _all_reduce_backward(ctx: BackwardContext) -> list[str | None]:
     return [ctx.emit("copy", ctx.d_out)]
 
 
+def _samples(rng: np.random.Generator) -> Iterator[Sample]:
+    """On the ``local`` communicator (one rank) both ops are the identity, forward and backward."""
+    yield Sample((rng.standard_normal((3, 4)),), {"communicator": "local"})
+
+
 TP_OPS = [
     OpDef("tp_copy", ("x",), ("out",), _tp_copy, _same, backward=_copy_backward, attrs=(_COMM,),
-          collective=True,
+          collective=True, samples=_samples,
           doc="Tensor parallelism's f: the input as it is; its gradient summed over the ranks."),
     OpDef("tp_all_reduce", ("x",), ("out",), _tp_all_reduce, _same, backward=_all_reduce_backward,
-          attrs=(_COMM,), collective=True,
+          attrs=(_COMM,), collective=True, samples=_samples,
           doc="Tensor parallelism's g: the input summed over the ranks; its gradient as it is."),
 ]
 
