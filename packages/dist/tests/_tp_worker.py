@@ -1,5 +1,5 @@
 """One rank of the tensor-parallel test: a tiny Qwen3 whose blocks the ``tensor_parallel`` pass
-shards over the ranks, trained for a few steps; ``python _tp_worker.py OUT`` saves the rank's losses,
+shards over the ranks, trained for a few steps; ``python _tp_worker.py OUT MODEL`` saves the rank's losses,
 gathered parameters and parameter bytes to ``OUT/rank<r>.npz``. ``train(None)`` is one process."""
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from kiln.dsl import build_bundle
 
 CONFIG = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2,
           "head_size": 8, "d_ff": 48, "max_seq": 16}
+#: a MoE model whose layers are dense, MoE, MoE: both kinds of block sharded
+MODELS = {"Qwen3Model": CONFIG,
+          "Qwen3MoEModel": {**CONFIG, "n_layers": 3, "mlp_only_layers": [0], "num_experts": 4,
+                            "num_experts_per_tok": 2, "moe_d_ff": 16}}
 STEPS = 5
 
 
@@ -26,8 +30,8 @@ def batches() -> list[dict[str, np.ndarray]]:
     return out
 
 
-def train(rank_world: tuple[int, int] | None) -> tuple[Model, list[float]]:
-    bundle = build_bundle("Qwen3Model", CONFIG)
+def train(rank_world: tuple[int, int] | None, name: str = "Qwen3Model") -> tuple[Model, list[float]]:
+    bundle = build_bundle(name, MODELS[name])
     opt = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=None)
     # float64: the order of the sums shows less
     full = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64")
@@ -41,7 +45,7 @@ def train(rank_world: tuple[int, int] | None) -> tuple[Model, list[float]]:
 
 if __name__ == "__main__":
     comm = get_registry("communicators")["mpi"]
-    model, losses = train((comm.rank, comm.world_size))
+    model, losses = train((comm.rank, comm.world_size), sys.argv[2])
     np.savez(f"{sys.argv[1]}/rank{comm.rank}.npz", losses=np.array(losses),
              param_bytes=sum(v.nbytes for v in model.parameters().values()),
              **{f"param:{k}": v for k, v in model.parameters().items()})

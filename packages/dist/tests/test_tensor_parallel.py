@@ -23,18 +23,20 @@ if "kiln_dist_tp_worker" not in sys.modules:
 worker = sys.modules["kiln_dist_tp_worker"]
 
 
-def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path) -> None:
-    full, losses = worker.train(None)
-    assert launch(2, [str(HERE / "_tp_worker.py"), str(tmp_path)], env={"KILN_NUM_THREADS": "1"}) == 0
+@pytest.mark.parametrize("name", ["Qwen3Model", "Qwen3MoEModel"])
+def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, name: str) -> None:
+    full, losses = worker.train(None, name)
+    assert launch(2, [str(HERE / "_tp_worker.py"), str(tmp_path), name], env={"KILN_NUM_THREADS": "1"}) == 0
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
-    bundle = worker.build_bundle("Qwen3Model", worker.CONFIG)
+    bundle = worker.build_bundle(name, worker.MODELS[name])
     expected = [shard(full.parameters(), bundle, r, 2) for r in range(2)]
     for rank, want in zip(ranks, expected, strict=True):
         np.testing.assert_allclose(rank["losses"], losses, rtol=1e-10)
         for k, v in want.items():  # float64: equal but for the order of the sums
             np.testing.assert_allclose(rank[f"param:{k}"], v, rtol=1e-8, atol=1e-10, err_msg=k)
     # the sharded layers' weights: half on each rank (norms, embedding and head stay whole)
-    sharded = ("qkv_weight", "out_weight", "mlp_up_weight", "mlp_down_weight")
+    sharded = ("qkv_weight", "out_weight", "mlp_up_weight", "mlp_down_weight", "experts_gate_up",
+               "experts_down")
     whole = sum(v.nbytes for k, v in full.parameters().items() if k.endswith(sharded))
     for rank in ranks:
         assert sum(rank[f"param:{k}"].nbytes for k in expected[0] if k.endswith(sharded)) == whole // 2

@@ -1,22 +1,26 @@
 """Tensor parallelism (Megatron-LM's): each rank holds a slice of every layer's attention heads and MLP
 columns, and two collectives per sublayer keep the ranks in step.
 
-The ``tensor_parallel`` graph pass (stage ``shard``) rewrites each standard dense transformer block
-(kiln-dsl's ``DenseTransformerBlock``: Llama, Qwen3, Mistral) for one rank of ``world``:
+The ``tensor_parallel`` graph pass (stage ``shard``) rewrites each standard transformer block
+(kiln-dsl's ``DenseTransformerBlock`` and ``MoETransformerBlock``: Llama, Qwen3, Mistral, Qwen3-MoE,
+Mixtral) for one rank of ``world``:
 
-- its config's query heads, KV heads and MLP width become ``1/world`` of the model's: the packed
-  ``qkv_weight`` holds the rank's query, key and value heads, ``out_weight`` their columns,
-  ``mlp_up_weight`` its rows of gate and of up, ``mlp_down_weight`` its columns (:func:`shard`);
+- its config's query heads, KV heads and MLP width (each expert's, in a MoE block) become
+  ``1/world`` of the model's: the packed ``qkv_weight`` holds the rank's query, key and value heads,
+  ``out_weight`` their columns, ``mlp_up_weight`` (each expert's ``experts_gate_up``) its rows of
+  gate and of up, ``mlp_down_weight`` (``experts_down``) its columns (:func:`shard`); the router
+  stays whole;
 - ``tp_copy`` (forward: identity; backward: all-reduce) feeds the column-parallel matmuls (QKV, MLP
-  up) and the QK-norm weights, whose gradients are partial on each rank;
-- ``tp_all_reduce`` (forward: all-reduce; backward: identity) sums the row-parallel matmuls' partial
-  outputs (attention output, MLP down).
+  up, the experts' gate and up) and the tensors whose gradients are partial on each rank (the
+  QK-norm weights, which see the rank's heads; the routing weights, which scale its slice);
+- ``tp_all_reduce`` (forward: all-reduce; backward: identity) sums the row-parallel partial outputs
+  (attention output, MLP down, the experts' combined output).
 
 The embedding, norms and LM head stay whole on every rank, and every rank runs the same batch; the
-loss and every weight match one process on the whole model. What it does not do yet: MoE blocks,
-biases of the output projections (they would be added once per rank), vocabulary-parallel embedding
-and cross-entropy, gradient clipping (each rank would clip by its own slices' norm: train with
-``max_grad_norm=None``), and recompute of the rewritten blocks.
+loss and every weight match one process on the whole model. What it does not do yet: shared
+experts, biases of the output projections (they would be added once per rank),
+vocabulary-parallel embedding and cross-entropy, gradient clipping (each rank would clip by its own
+slices' norm: train with ``max_grad_norm=None``), and recompute of the rewritten blocks.
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ from kiln.core.ir import Bundle, Module, Op
 __all__ = ["TP_OPS", "shard", "tensor_parallel"]
 
 _COMM = AttrSpec("communicator", "str")
-#: the column-parallel matmuls' inputs and the row-parallel matmuls' outputs, by tensor name
-COLUMN_INPUTS = {"qkv_flat": "ln1_flat", "mlp_up_flat": "ln2_flat"}
-ROW_OUTPUTS = ("att_out_flat", "mlp_down_flat")
-#: the block parameters whose gradient is partial on each rank (each sees its own heads)
-PARTIAL_GRADS = ("q_norm_weight", "k_norm_weight")
+#: by the output of the op that reads them: the inputs that go through ``tp_copy`` (column-parallel
+#: inputs, and tensors whose gradient is partial on each rank)
+COPIED_INPUTS = {"qkv_flat": ("ln1_flat",), "mlp_up_flat": ("ln2_flat",),
+                 "qkv_rope": ("q_norm_weight", "k_norm_weight"), "expert_gate_up": ("moe_permuted",),
+                 "moe_out": ("routing_weights",)}
+#: the row-parallel outputs, summed by ``tp_all_reduce``
+REDUCED_OUTPUTS = ("att_out_flat", "mlp_down_flat", "moe_out")
+#: the config entries divided among the ranks: (its dimension symbol, the constructor's name, what)
+SPLIT = (("Hq", "num_query_heads", "query heads"), ("Hkv", "num_kv_heads", "KV heads (GQA)"),
+         ("M", "d_ff", "MLP width"), ("MoeM", "moe_d_ff", "experts' MLP width"))
 
 
 def _tp_copy(x: np.ndarray, *, communicator: str) -> np.ndarray:
@@ -100,29 +109,22 @@ def _split(value: int, world: int, what: str, block: str) -> int:
 
 def _shard_block(block: Module, world: int, comm: str) -> Module:
     cfg = dict(block.config)
-    if cfg.get("use_out_bias"):
-        raise KilnError(f"block {block.name!r}: tensor parallelism does not support output-projection biases "
-                        "yet (each rank would add the bias)")
-    hq = _split(int(cfg["Hq"]), world, "query heads", block.name)
-    hkv = _split(int(cfg["Hkv"]), world, "KV heads (GQA)", block.name)
-    m = _split(int(cfg["M"]), world, "MLP width", block.name)
-    cfg.update(Hq=hq, Hkv=hkv, M=m, num_query_heads=hq, num_kv_heads=hkv, d_ff=m)
+    for flag, what in (("use_out_bias", "output-projection biases"), ("shared_d_ff", "shared experts")):
+        if cfg.get(flag):
+            raise KilnError(f"block {block.name!r}: tensor parallelism does not support {what} yet")
+    for sym, name, what in SPLIT:
+        if sym in cfg:
+            cfg[sym] = cfg[name] = _split(int(cfg[sym]), world, what, block.name)
     assert block.forward is not None
-    params = {d.name for d in block.forward.params}
     ops: list[Op] = []
     for op in block.forward.ops:
         ins = list(op.inputs)
-        for out, src in COLUMN_INPUTS.items():
-            if out in op.outputs and src in ins:
-                ops.append(Op("tp_copy", (src,), (f"{src}:tp",), {"communicator": comm}))
-                ins[ins.index(src)] = f"{src}:tp"
-        for name in PARTIAL_GRADS:
-            if name in ins and name in params:
-                ops.append(Op("tp_copy", (name,), (f"{name}:tp",), {"communicator": comm}))
-                ins[ins.index(name)] = f"{name}:tp"
+        for src in (s for out in op.outputs for s in COPIED_INPUTS.get(out, ()) if s in ins):
+            ops.append(Op("tp_copy", (src,), (f"{src}:tp",), {"communicator": comm}))
+            ins[ins.index(src)] = f"{src}:tp"
         outs = list(op.outputs)
-        reduce = [o for o in outs if o in ROW_OUTPUTS]
-        outs = [f"{o}:partial" if o in ROW_OUTPUTS else o for o in outs]
+        reduce = [o for o in outs if o in REDUCED_OUTPUTS]
+        outs = [f"{o}:partial" if o in REDUCED_OUTPUTS else o for o in outs]
         ops.append(op.evolve(inputs=tuple(ins), outputs=tuple(outs)))
         ops += [Op("tp_all_reduce", (f"{o}:partial",), (o,), {"communicator": comm}) for o in reduce]
     return block.evolve(config=cfg, forward=block.forward.evolve(ops=tuple(ops)))
@@ -140,12 +142,10 @@ def tensor_parallel(bundle: Bundle, options: Mapping[str, Any]) -> Bundle:
         return bundle
     modules = []
     for m in bundle.modules:
-        if m.kind == "block":
-            names = {p.name for p in m.params}
-            if "experts_gate_up" in names:
-                raise KilnError(f"block {m.name!r}: tensor parallelism of MoE blocks is not supported yet")
-            if {"qkv_weight", "out_weight", "mlp_up_weight", "mlp_down_weight"} <= names:
-                m = _shard_block(m, world, comm)
+        names = {p.name for p in m.params}
+        mlp = {"mlp_up_weight", "mlp_down_weight"} <= names or {"experts_gate_up", "experts_down"} <= names
+        if m.kind == "block" and {"qkv_weight", "out_weight"} <= names and mlp:
+            m = _shard_block(m, world, comm)
         modules.append(m)
     return bundle.evolve(modules=tuple(modules))
 
@@ -162,11 +162,12 @@ def shard(parameters: Mapping[str, np.ndarray], bundle: Bundle, rank: int,
         stack, _, rest = name.partition(".")
         block = stacks.get(stack)
         param = rest.partition(".")[2]
-        if block is None or "experts_gate_up" in {p.name for p in block.params}:
+        if block is None:
             out[name] = value
             continue
         cfg = block.config
-        d, hq, hkv, m = (int(cfg[k]) for k in ("D", "Hq", "Hkv", "M"))
+        d, hq, hkv = (int(cfg[k]) for k in ("D", "Hq", "Hkv"))
+        m = int(cfg.get("M", cfg.get("MoeM", 0)))
 
         def part(start: int, size: int, value: np.ndarray = value) -> np.ndarray:
             """This rank's share of rows ``[start, start + size)``."""
@@ -177,6 +178,11 @@ def shard(parameters: Mapping[str, np.ndarray], bundle: Bundle, rank: int,
             out[name] = np.concatenate([part(0, q), part(q, k), part(q + k, k)])
         elif param == "mlp_up_weight":
             out[name] = np.concatenate([part(0, m), part(m, m)])
+        elif param == "experts_gate_up":  # [experts, gate | up, C]
+            lo, hi = rank * m // world, (rank + 1) * m // world
+            out[name] = np.concatenate([value[:, lo:hi], value[:, m + lo:m + hi]], axis=1)
+        elif param == "experts_down":  # [experts, C, its MLP width]
+            out[name] = value[:, :, rank * m // world: (rank + 1) * m // world]
         elif param == "out_weight":
             out[name] = value[:, rank * hq * d // world: (rank + 1) * hq * d // world]
         elif param == "mlp_down_weight":
