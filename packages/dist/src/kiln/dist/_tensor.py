@@ -19,15 +19,17 @@ Mixtral) for one rank of ``world``:
 The embedding, norms and LM head stay whole on every rank, and every rank runs the same batch; the
 loss and every weight match one process on the whole model. What it does not do yet: shared
 experts, biases of the output projections (they would be added once per rank),
-vocabulary-parallel embedding and cross-entropy, gradient clipping (each rank would clip by its own
-slices' norm: train with ``max_grad_norm=None``), and recompute of the rewritten blocks.
+vocabulary-parallel embedding and cross-entropy, a grid of data- and tensor-parallel ranks, and
+recompute of the rewritten blocks. :class:`TensorParallel` makes the optimizer clip by the norm of the
+whole model's gradients (each rank holds its slices' and the whole tensors').
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kiln.core import (
@@ -41,8 +43,10 @@ from kiln.core import (
     get_registry,
 )
 from kiln.core.ir import Bundle, Module, Op
+from kiln.core.runtime import Communicator, SyncPlan
+from kiln.dist._parallel import NORM
 
-__all__ = ["TP_OPS", "shard", "tensor_parallel"]
+__all__ = ["TP_OPS", "TensorParallel", "shard", "tensor_parallel"]
 
 _COMM = AttrSpec("communicator", "str")
 #: by the output of the op that reads them: the inputs that go through ``tp_copy`` (column-parallel
@@ -97,6 +101,37 @@ TP_OPS = [
           attrs=(_COMM,), collective=True, samples=_samples,
           doc="Tensor parallelism's g: the input summed over the ranks; its gradient as it is."),
 ]
+
+
+#: the block parameters :func:`tensor_parallel` slices (the others are whole on every rank)
+SLICED = ("qkv_weight", "qkv_bias", "out_weight", "mlp_up_weight", "mlp_down_weight", "experts_gate_up",
+          "experts_down")
+
+
+@attrs.frozen
+class TensorParallel:
+    """A Model as one rank of a tensor-parallel run (``Model(data_parallel=TensorParallel("mpi"),
+    passes=[("tensor_parallel", {"communicator": "mpi"})])``): every rank trains the same batch (it
+    is shared over no rank: ``communicator`` is ``local``), and the gradient norm the optimizer clips
+    by is the whole model's: a ``sharded_grad_norm`` over each rank's slices, the whole tensors
+    counted on rank 0 only."""
+
+    comm: str = "mpi"
+
+    @property
+    def communicator(self) -> Communicator:
+        local: Communicator = get_registry("communicators")["local"]
+        return local
+
+    def plan(self, trained: Sequence[tuple[str, tuple[int, ...]]]) -> SyncPlan:
+        tp = get_registry("communicators")[self.comm]
+        if tp.world_size == 1:
+            return SyncPlan()
+        sliced = [k for k, _ in trained if k.rsplit(".", 1)[-1] in SLICED]
+        whole = [k for k, _ in trained if k not in set(sliced)]
+        mine = [*sliced, *(whole if tp.rank == 0 else [])]
+        return SyncPlan(grad_sync=[Op("sharded_grad_norm", [NORM, *mine], [], {"communicator": self.comm})],
+                        norm=(NORM,), outputs=(NORM,))
 
 
 def _split(value: int, world: int, what: str, block: str) -> int:
