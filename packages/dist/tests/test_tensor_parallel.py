@@ -47,9 +47,21 @@ class SecondOfThree:
     name, rank, world_size = "third", 1, 3
 
 
+class FirstOfFour:
+    name, rank, world_size = "fourth", 0, 4
+
+
 def test_heads_the_ranks_cannot_share_are_refused() -> None:
     with PluginSession().activate():
         get_registry("communicators").register("third", SecondOfThree())
         bundle = worker.build_bundle("Qwen3Model", worker.CONFIG)
         with pytest.raises(KilnError, match="query heads = 4 is not a multiple of the 3 tensor-parallel"):
             Model.from_ir(bundle, passes=[("tensor_parallel", {"communicator": "third"})])
+
+
+def test_kv_heads_the_ranks_cannot_share_are_refused() -> None:
+    with PluginSession().activate():
+        get_registry("communicators").register("fourth", FirstOfFour())  # 4 query heads, 2 KV heads
+        bundle = worker.build_bundle("Qwen3Model", worker.CONFIG)
+        with pytest.raises(KilnError, match=r"KV heads \(GQA\) = 2 is not a multiple of the 4 "):
+            Model.from_ir(bundle, passes=[("tensor_parallel", {"communicator": "fourth"})])
