@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from kiln.core import AdamW, Model, get_registry
-from kiln.dist import TensorParallel, shard
+from kiln.dist import DataParallel, TensorParallel, grid, shard
 from kiln.dsl import build_bundle
 
 CONFIG = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2,
@@ -35,24 +35,31 @@ def _stats(model: Model) -> list[tuple[float, float]]:
     return [(s["loss"], s["grad_norm"]) for s in (model.train_step(b) for b in batches())]
 
 
-def train(rank_world: tuple[int, int] | None,
-          name: str = "Qwen3Model") -> tuple[Model, list[tuple[float, float]]]:
+def train(rank_world: tuple[int, int] | None, name: str = "Qwen3Model",
+          parallel: TensorParallel | None = None) -> tuple[Model, list[tuple[float, float]]]:
     bundle = build_bundle(name, MODELS[name])
     opt = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)  # clipping at every step
     # float64: the order of the sums shows less
     full = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64")
     if rank_world is None:
         return full, _stats(full)
+    parallel = parallel or TensorParallel("mpi")
     model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64", init=None,
-                          passes=[("tensor_parallel", {"communicator": "mpi"})],
-                          data_parallel=TensorParallel("mpi"))
+                          passes=[("tensor_parallel", {"communicator": parallel.comm})],
+                          data_parallel=parallel)
     model.set_parameters(shard(full.parameters(), bundle, *rank_world))
     return model, _stats(model)
 
 
 if __name__ == "__main__":
     comm = get_registry("communicators")["mpi"]
-    model, losses = train((comm.rank, comm.world_size), sys.argv[2])
+    if sys.argv[3:] == ["grid"]:  # 2 x 2: two data-parallel groups of two tensor-parallel ranks
+        dp, tp = grid(2)
+        group = get_registry("communicators")[tp]
+        model, losses = train((group.rank, group.world_size), sys.argv[2],
+                              TensorParallel(tp, DataParallel(dp, bucket_bytes=4096)))
+    else:
+        model, losses = train((comm.rank, comm.world_size), sys.argv[2])
     np.savez(f"{sys.argv[1]}/rank{comm.rank}.npz", stats=np.array(losses),
              param_bytes=sum(v.nbytes for v in model.parameters().values()),
              **{f"param:{k}": v for k, v in model.parameters().items()})

@@ -43,6 +43,18 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path: Path, name: st
         assert sum(rank[f"param:{k}"].nbytes for k in expected[0] if k.endswith(sharded)) == whole // 2
 
 
+def test_a_grid_of_data_and_tensor_parallel_ranks_trains_as_one_process(tmp_path: Path) -> None:
+    full, stats = worker.train(None, "Qwen3MoEModel")
+    assert launch(4, [str(HERE / "_tp_worker.py"), str(tmp_path), "Qwen3MoEModel", "grid"],
+                  env={"KILN_NUM_THREADS": "1"}) == 0
+    bundle = worker.build_bundle("Qwen3MoEModel", worker.MODELS["Qwen3MoEModel"])
+    for r in range(4):  # ranks 0, 1 hold slices 0, 1 and share the batch with ranks 2, 3
+        rank, want = np.load(tmp_path / f"rank{r}.npz"), shard(full.parameters(), bundle, r % 2, 2)
+        np.testing.assert_allclose(rank["stats"], stats, rtol=1e-10)
+        for k, v in want.items():
+            np.testing.assert_allclose(rank[f"param:{k}"], v, rtol=1e-8, atol=1e-10, err_msg=k)
+
+
 class SecondOfThree:
     name, rank, world_size = "third", 1, 3
 

@@ -16,7 +16,7 @@ from kiln.dist._communicators import (
 )
 from kiln.dist._launch import launch, launched, launcher
 from kiln.dist._parallel import DataParallel
-from kiln.dist._tensor import TensorParallel, shard, tensor_parallel
+from kiln.dist._tensor import TensorParallel, grid, shard, tensor_parallel
 
 __version__ = version("kiln-dist")
 
@@ -27,6 +27,7 @@ __all__ = [
     "NcclCommunicator",
     "TensorParallel",
     "__version__",
+    "grid",
     "launch",
     "launched",
     "launcher",

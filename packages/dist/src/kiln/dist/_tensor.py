@@ -44,9 +44,9 @@ from kiln.core import (
 )
 from kiln.core.ir import Bundle, Module, Op
 from kiln.core.runtime import Communicator, SyncPlan
-from kiln.dist._parallel import NORM
+from kiln.dist._parallel import NORM, DataParallel
 
-__all__ = ["TP_OPS", "TensorParallel", "shard", "tensor_parallel"]
+__all__ = ["TP_OPS", "TensorParallel", "grid", "shard", "tensor_parallel"]
 
 _COMM = AttrSpec("communicator", "str")
 #: by the output of the op that reads them: the inputs that go through ``tp_copy`` (column-parallel
@@ -114,24 +114,49 @@ class TensorParallel:
     passes=[("tensor_parallel", {"communicator": "mpi"})])``): every rank trains the same batch (it
     is shared over no rank: ``communicator`` is ``local``), and the gradient norm the optimizer clips
     by is the whole model's: a ``sharded_grad_norm`` over each rank's slices, the whole tensors
-    counted on rank 0 only."""
+    counted on the group's rank 0 only. With ``data_parallel`` (a :class:`DataParallel` over the other
+    axis of a :func:`grid`), the batch is shared over its ranks and the gradients summed over them
+    first."""
 
     comm: str = "mpi"
+    data_parallel: DataParallel | None = None
 
     @property
     def communicator(self) -> Communicator:
+        """The ranks the batch is shared over: the data-parallel group's, else none (``local``)."""
+        if self.data_parallel is not None:
+            return self.data_parallel.communicator
         local: Communicator = get_registry("communicators")["local"]
         return local
 
     def plan(self, trained: Sequence[tuple[str, tuple[int, ...]]]) -> SyncPlan:
+        if self.data_parallel is not None and self.data_parallel.zero:
+            raise KilnError("ZeRO-1 does not combine with tensor parallelism yet; use zero=0")
+        first = self.data_parallel.plan(trained).grad_sync if self.data_parallel is not None else ()
         tp = get_registry("communicators")[self.comm]
         if tp.world_size == 1:
-            return SyncPlan()
+            return SyncPlan(grad_sync=first)
         sliced = [k for k, _ in trained if k.rsplit(".", 1)[-1] in SLICED]
         whole = [k for k, _ in trained if k not in set(sliced)]
         mine = [*sliced, *(whole if tp.rank == 0 else [])]
-        return SyncPlan(grad_sync=[Op("sharded_grad_norm", [NORM, *mine], [], {"communicator": self.comm})],
-                        norm=(NORM,), outputs=(NORM,))
+        norm = Op("sharded_grad_norm", [NORM, *mine], [], {"communicator": self.comm})
+        return SyncPlan(grad_sync=[*first, norm], norm=(NORM,), outputs=(NORM,))
+
+
+def grid(tensor_parallel: int, *, registry: Any = None) -> tuple[str, str]:
+    """Cut the MPI job into groups of ``tensor_parallel`` consecutive ranks (a model's slices) and
+    register two communicators: ``mpi-tp`` (this rank's group) and ``mpi-dp`` (the ranks holding the
+    same slice in the other groups, which share the batch). Returns their names (dp, tp)."""
+    from kiln.dist._communicators import MpiCommunicator
+
+    world = MpiCommunicator()
+    size, rank = world.world_size, world.rank
+    if tensor_parallel < 1 or size % tensor_parallel:
+        raise KilnError(f"a tensor-parallel degree of {tensor_parallel} does not divide the {size} ranks")
+    registry = registry if registry is not None else get_registry("communicators")
+    registry.register("mpi-tp", MpiCommunicator(world.comm.Split(rank // tensor_parallel, rank)))
+    registry.register("mpi-dp", MpiCommunicator(world.comm.Split(rank % tensor_parallel, rank)))
+    return "mpi-dp", "mpi-tp"
 
 
 def _split(value: int, world: int, what: str, block: str) -> int:
