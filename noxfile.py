@@ -120,3 +120,10 @@ def bench_dist(session: nox.Session) -> None:
     """Two data-parallel MPI ranks against one process on this machine's cores (benchmarks/dist.py)."""
     _install_editable(session)
     session.run("python", "benchmarks/dist.py", *session.posargs)
+
+
+@nox.session(reuse_venv=True)
+def dist(session: nox.Session) -> None:
+    """kiln-dist's multi-rank tests on 4 MPI ranks (the default run uses 2)."""
+    _install_editable(session, *TEST_TOOLS)
+    session.run("pytest", "packages/dist/tests", *session.posargs, env={"KILN_DIST_RANKS": "4"})

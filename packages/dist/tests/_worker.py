@@ -20,7 +20,7 @@ from kiln.dsl.stdlib.models import Qwen3Model
 
 CONFIG = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2,
           "head_size": 8, "d_ff": 64, "max_seq": 16}
-STEPS, BATCH, SEQ = 20, 4, 8
+STEPS, BATCH, SEQ = 20, 8, 8
 #: small buckets, so that the gradients travel in several collectives
 BUCKET_BYTES = 16 * 1024
 
