@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +104,36 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path: Path, first: str, th
     for x, y in zip(a, b, strict=True):
         if "loss" in x:
             assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+
+
+def _rank_pid(rank: int, cwd: Path) -> int | None:
+    """The pid of the ``kiln train`` rank ``rank`` running in ``cwd`` (MPICH sets PMI_RANK)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            if f"PMI_RANK={rank}".encode() in env and Path(os.readlink(proc / "cwd")) == cwd:
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def test_a_killed_rank_stops_the_run_names_it_and_leaves_a_checkpoint_to_resume(tmp_path: Path) -> None:
+    config = write_run(tmp_path, "killed", steps=400)
+    run = subprocess.Popen([sys.executable, "-m", "kiln.core", "train", str(config), "--nproc", "2"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "KILN_NUM_THREADS": "1"})
+    checkpoints = tmp_path / "out-killed" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir())):
+        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+        time.sleep(0.1)
+    pid = _rank_pid(1, tmp_path)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = run.communicate(timeout=60)
+    assert run.returncode != 0 and time.monotonic() - killed < 60
+    assert "kiln: rank 1 (pid " in err, err
+    done = kiln(str(config), "--resume", cwd=tmp_path)  # the checkpoint is intact: one process goes on
+    assert "resuming from" in done.stdout, done.stderr
