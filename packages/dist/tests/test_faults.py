@@ -34,3 +34,13 @@ def test_a_killed_rank_stops_the_run_and_is_named(tmp_path: Path, capfd: pytest.
     assert status != 0 and elapsed < 60
     err = capfd.readouterr().err
     assert "kiln: rank 1 (pid " in err and "ended abnormally" in err, err
+
+
+def test_a_hung_rank_stops_the_run_past_the_timeout_and_is_named(capfd: pytest.CaptureFixture[str]
+                                                                 ) -> None:
+    start = time.monotonic()
+    status = launch(3, [str(HERE / "_stall.py")], env={"KILN_NUM_THREADS": "1", "KILN_DIST_TIMEOUT": "2"})
+    elapsed = time.monotonic() - start
+    assert status != 0 and elapsed < 60
+    err = capfd.readouterr().err
+    assert "an all-reduce waited" in err and "rank(s) 1 did not reach it" in err, err

@@ -5,11 +5,14 @@ NCCL communicator start on first use."""
 from __future__ import annotations
 
 import importlib.util
+import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kiln.core import KilnError
+from kiln.dist._launch import note_collective, ranks_behind, timeout
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -93,23 +96,44 @@ class MpiCommunicator:
     def all_reduce(self, buf: Any) -> None:
         from mpi4py import MPI
 
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "an all-reduce")
 
     def reduce_scatter(self, send: Any, recv: Any) -> None:
         from mpi4py import MPI
 
         _check_chunks("reduce_scatter", send, recv, self.world_size, send)
-        self.comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+        self._wait(self.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), "a reduce-scatter")
 
     def all_gather(self, send: Any, recv: Any) -> None:
         _check_chunks("all_gather", send, recv, self.world_size, recv)
-        self.comm.Allgather(send, recv)
+        self._wait(self.comm.Iallgather(send, recv), "an all-gather")
 
     def broadcast(self, buf: Any, root: int = 0) -> None:
-        self.comm.Bcast(buf, root=root)
+        self._wait(self.comm.Ibcast(buf, root=root), "a broadcast")
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._wait(self.comm.Ibarrier(), "a barrier")
+
+    def _wait(self, request: Any, what: str) -> None:
+        """Wait for a collective; past :func:`timeout` seconds, name the ranks that did not reach it
+        (as far as their notes in the launch's rank folder tell) and abort the whole job."""
+        number = note_collective()
+        if request.Test():
+            return
+        limit, start, pause = timeout(), time.monotonic(), 0.0
+        while not request.Test():
+            waited = time.monotonic() - start
+            if waited > limit:
+                behind = ranks_behind(number)
+                who = (f"rank(s) {', '.join(map(str, behind))} did not reach it (hung, or too slow)"
+                       if behind else "the rank(s) that did not reach it are unknown (start the job with "
+                                      "kiln.dist.launch to have them named)")
+                print(f"kiln: rank {self.rank}: {what} waited {waited:.0f} s for the other ranks "
+                      f"(KILN_DIST_TIMEOUT = {limit:g}); {who}; stopping the job", file=sys.stderr,
+                      flush=True)
+                self.comm.Abort(1)
+            time.sleep(pause)
+            pause = min(0.001, pause + 1e-5)  # spin first: most collectives finish in microseconds
 
 
 class NcclCommunicator:

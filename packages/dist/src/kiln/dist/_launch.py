@@ -25,12 +25,55 @@ RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 RANK_DIR = "KILN_RANK_DIR"
 
 
+#: seconds a collective waits for the other ranks before the job is stopped (default 300: a rank may
+#: be saving a large checkpoint while the others wait)
+TIMEOUT = "KILN_DIST_TIMEOUT"
+_noted: dict[str, int] = {"rank": -1, "collectives": 0}
+
+
+def timeout() -> float:
+    text = os.environ.get(TIMEOUT, "300")
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise KilnError(f"{TIMEOUT}={text!r}: expected a number of seconds > 0")
+    return value
+
+
 def note_rank(rank: int) -> None:
     """In a rank :func:`launch` started: record this process's id under its rank, so that the launcher
     can name the rank of a process that died."""
+    _noted["rank"] = rank
     folder = os.environ.get(RANK_DIR)
     if folder:
         Path(folder, str(os.getpid())).write_text(str(rank))
+
+
+def note_collective() -> int:
+    """Count a collective this rank starts (noted in the launch's rank folder, where the other ranks
+    read it when one of them waits too long); its number."""
+    _noted["collectives"] += 1
+    folder = os.environ.get(RANK_DIR)
+    if folder and _noted["rank"] >= 0:
+        Path(folder, f"rank{_noted['rank']}.collectives").write_text(str(_noted["collectives"]))
+    return _noted["collectives"]
+
+
+def ranks_behind(number: int) -> list[int]:
+    """The ranks whose notes say they have not started collective ``number`` yet."""
+    folder = os.environ.get(RANK_DIR)
+    if not folder:
+        return []
+    behind = []
+    for note in sorted(Path(folder).glob("rank*.collectives")):
+        try:
+            if int(note.read_text() or 0) < number:
+                behind.append(int(note.stem.removeprefix("rank")))
+        except ValueError:
+            continue
+    return sorted(behind)
 
 
 def launcher() -> str:
