@@ -5,14 +5,13 @@ NCCL communicator start on first use."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kiln.core import KilnError
-from kiln.dist._launch import note_collective, ranks_behind, timeout
+from kiln.dist._launch import note_collective, note_stop, ranks_behind, timeout
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -128,9 +127,8 @@ class MpiCommunicator:
                 who = (f"rank(s) {', '.join(map(str, behind))} did not reach it (hung, or too slow)"
                        if behind else "the rank(s) that did not reach it are unknown (start the job with "
                                       "kiln.dist.launch to have them named)")
-                print(f"kiln: rank {self.rank}: {what} waited {waited:.0f} s for the other ranks "
-                      f"(KILN_DIST_TIMEOUT = {limit:g}); {who}; stopping the job", file=sys.stderr,
-                      flush=True)
+                note_stop(f"kiln: rank {self.rank}: {what} waited {waited:.0f} s for the other ranks "
+                          f"(KILN_DIST_TIMEOUT = {limit:g}); {who}; stopping the job")
                 self.comm.Abort(1)
             time.sleep(pause)
             pause = min(0.001, pause + 1e-5)  # spin first: most collectives finish in microseconds

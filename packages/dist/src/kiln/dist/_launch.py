@@ -61,6 +61,15 @@ def note_collective() -> int:
     return _noted["collectives"]
 
 
+def note_stop(message: str) -> None:
+    """Say why this rank stops the job: on stderr, and in the launch's rank folder (the launcher may
+    drop the output of a rank that aborts; :func:`launch` prints the note after the job)."""
+    print(message, file=sys.stderr, flush=True)
+    folder = os.environ.get(RANK_DIR)
+    if folder and _noted["rank"] >= 0:
+        Path(folder, f"rank{_noted['rank']}.stopped").write_text(message)
+
+
 def ranks_behind(number: int) -> list[int]:
     """The ranks whose notes say they have not started collective ``number`` yet."""
     folder = os.environ.get(RANK_DIR)
@@ -96,16 +105,19 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
     status is the launcher's (non-zero when a rank failed). ``env``: variables added for the ranks."""
     if not isinstance(nproc, int) or nproc < 1:
         raise KilnError(f"nproc={nproc!r}: expected a positive number of ranks")
-    with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as ranks:
+    # a rank the launcher is still stopping may write a note while the folder goes
+    with tempfile.TemporaryDirectory(prefix="kiln-ranks-", ignore_cleanup_errors=True) as ranks:
         proc = subprocess.Popen([launcher(), "-n", str(nproc), sys.executable, *argv], text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={**os.environ, **(env or {}), RANK_DIR: ranks})
         dead: list[str] = []  # the launcher reports a dead rank by its pid (MPICH: on stdout)
+        seen: set[str] = set()
 
         def forward(source: Any, sink: Any) -> None:
             for line in source:  # passed on as it comes
                 sink.write(line)
                 sink.flush()
+                seen.add(line.rstrip("\n"))
                 dead.extend(re.findall(r"^=\s+PID (\d+) RUNNING AT", line))
 
         threads = [threading.Thread(target=forward, args=pair, daemon=True)
@@ -115,6 +127,10 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
         status = proc.wait()
         for t in threads:
             t.join()
+        for note in sorted(Path(ranks).glob("rank*.stopped")):  # a rank that stopped the job said why
+            message = note.read_text()
+            if message not in seen:
+                print(message, file=sys.stderr, flush=True)
         for pid in dict.fromkeys(dead):
             noted = Path(ranks, pid)
             rank = noted.read_text() if noted.exists() else "?"
