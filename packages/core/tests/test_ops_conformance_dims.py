@@ -9,8 +9,7 @@ import math
 import pytest
 
 from kiln.core import DimError
-from kiln.core.ir import ConditionError, Const, Sym, dims_equal, parse_condition, parse_dim, simplify
-from kiln.core.ir._dims import Call
+from kiln.core.ir import Call, ConditionError, Const, Sym, dims_equal, parse_condition, parse_dim, simplify
 
 VALUES = range(-7, 8)
 

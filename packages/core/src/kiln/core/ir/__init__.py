@@ -3,6 +3,7 @@
 from kiln.core.ir._condition import Condition, ConditionError, parse_condition
 from kiln.core.ir._dims import (
     BinOp,
+    Call,
     Const,
     DimExpr,
     Shape,
@@ -47,6 +48,7 @@ __all__ = [
     "ActivationSlot",
     "BinOp",
     "Bundle",
+    "Call",
     "Condition",
     "ConditionError",
     "Const",
