@@ -62,3 +62,10 @@ def test_kiln_cuda_roofline_prints_the_prediction(capsys: pytest.CaptureFixture[
         assert last.startswith(f"predicted step on H100 SXM (matmuls in {matmul}): ") and "MFU" in last
         times[matmul] = float(last.split(": ")[1].split(" ms")[0])
     assert times["bf16"] < times["fp32"]
+
+
+def test_bad_roofline_input_is_named_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    assert main(["cuda", "roofline", "Qwen3Model", "--config", "{not json"]) == 2
+    err = capsys.readouterr().err
+    assert "--config is neither a JSON object nor a JSON file" in err and "Traceback" not in err

@@ -140,19 +140,13 @@ def run(args: Any) -> int:
 
 
 def run_roofline(args: Any) -> int:
-    import json
-
-    from kiln.core import compile, get_registry
+    from kiln.core import compile
+    from kiln.core.cli import load_model
     from kiln.cuda._roofline import roofline
 
     if not args.model:
         raise KilnError("kiln cuda roofline needs a model (e.g. Qwen3Model --config '{...}')")
-    config = json.loads(args.config) if args.config else None
-    sources = get_registry("model_sources")
-    source = next((sources[k] for k in sources if sources[k].claims(args.model)), None)
-    if source is None:
-        raise KilnError(f"no installed model source reads {args.model!r}")
-    bundle, settings = source.load(args.model, config)
+    bundle, settings = load_model(args.model, args.config)
     batch, seq = args.batch or settings.get("batch", 8), args.seq or settings.get("seq", 2048)
     for flag, value in (("--batch", batch), ("--seq", seq)):
         if value < 1:

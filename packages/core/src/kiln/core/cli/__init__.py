@@ -1,5 +1,5 @@
 """The ``kiln`` command line: a skeleton whose subcommands come from plugins (core included)."""
 
-from kiln.core.cli._cli import main
+from kiln.core.cli._cli import load_model, main
 
-__all__ = ["main"]
+__all__ = ["load_model", "main"]

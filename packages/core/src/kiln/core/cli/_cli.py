@@ -187,9 +187,10 @@ class IRFileSource:
         return from_json(path.read_text(encoding="utf-8")), {}
 
 
-def _load_model(name: str, config: str | None) -> tuple[Any, dict[str, Any]]:
-    """The IR ``kiln plan`` plans and the settings its source gives (a train config gives them all):
-    from the first registered model source that claims ``name``."""
+def load_model(name: str, config: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """The IR of the model ``name`` names, as ``kiln plan MODEL [--config CONFIG]`` reads it, and the
+    settings its source gives (a train config gives them all): from the first registered model
+    source that claims ``name``. ``config`` is a JSON object or a .json file holding one."""
     cfg = None
     if config:
         text = Path(config).read_text(encoding="utf-8") if Path(config).is_file() else config
@@ -249,7 +250,7 @@ def _settings(args: argparse.Namespace, given: dict[str, Any]) -> dict[str, Any]
 def run_plan(args: argparse.Namespace) -> int:
     from kiln.core.plan._program import compile
 
-    bundle, given = _load_model(args.model, args.config)
+    bundle, given = load_model(args.model, args.config)
     s = _settings(args, given)
     binds = {"B": s["batch"], "T": s["seq"]}
     options = {k: s[k] for k in ("backend", "optimizer") if k in s}
