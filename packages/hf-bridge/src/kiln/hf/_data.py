@@ -39,10 +39,9 @@ from typing import Any, Literal
 import numpy as np
 from tokenizers import Tokenizer
 
+from kiln.core.runtime import IGNORE_INDEX
 from kiln.hf._errors import DataError
 from kiln.hf._tokenizer import EOS_TOKEN, load_tokenizer
-
-IGNORE_INDEX = -100
 
 
 def _pieces(path: Path, separator: str | None, chunk_chars: int) -> Iterator[tuple[str, bool]]:

@@ -6,7 +6,7 @@ from kiln.core.plan._program import SyncPlan
 from kiln.core.runtime._backend import Backend, Buffer, Executable, optimizer_step
 from kiln.core.runtime._communicator import Communicator, DataParallel
 from kiln.core.runtime._kernels import ANY_DTYPE, Kernel, KernelTable
-from kiln.core.runtime._model import Model, init_value, segment_ids
+from kiln.core.runtime._model import IGNORE_INDEX, Model, init_value, segment_ids
 
-__all__ = ["ANY_DTYPE", "Backend", "Buffer", "Communicator", "DataParallel", "Executable", "Kernel",
-           "KernelTable", "Model", "SyncPlan", "init_value", "optimizer_step", "segment_ids"]
+__all__ = ["ANY_DTYPE", "IGNORE_INDEX", "Backend", "Buffer", "Communicator", "DataParallel", "Executable",
+           "Kernel", "KernelTable", "Model", "SyncPlan", "init_value", "optimizer_step", "segment_ids"]
