@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from kiln_core_tiny import random_batch, tiny_qwen3_bundle
 
-from kiln.core import SGD, KilnError, Model, OpDef, PluginSession, hookimpl, no_gradient
+from kiln.core import SGD, KilnError, Model, OpDef, PluginSession, get_registry, hookimpl, no_gradient
 from kiln.core.ir import Op
 from kiln.core.runtime import Communicator, DataParallel, SyncPlan
 
@@ -87,6 +87,32 @@ def test_a_minimal_class_is_a_communicator_and_a_plan_holder() -> None:
     assert isinstance(OneRank(), Communicator)
     assert isinstance(Fixed(SyncPlan()), DataParallel)
     assert not isinstance(object(), Communicator)
+
+
+class Reading(Fixed):
+    """A plan that also takes the IR the model trains."""
+
+    def plan(self, trained: Sequence[tuple[str, tuple[int, ...]]], module_ir: Any = None) -> SyncPlan:
+        self.asked.append(module_ir)
+        return self.sync
+
+
+def test_a_plan_taking_module_ir_gets_the_ir_after_the_models_passes(session: PluginSession) -> None:
+    def mark(bundle: Any, options: Any) -> Any:
+        return bundle.evolve(modules=tuple(m.evolve(metadata={**m.metadata, "test.mark": options["v"]})
+                                           for m in bundle.modules))
+
+    get_registry("graph_passes").register("test_mark", mark)
+    reading = Reading(SyncPlan())
+    Model.from_ir(BUNDLE, init=None, passes=[("test_mark", {"v": 7})], data_parallel=reading)
+    (ir,) = reading.asked
+    assert ir.module(ir.entry).metadata["test.mark"] == 7  # the passes ran before the plan
+    plain = Reading(SyncPlan())
+    Model.from_ir(BUNDLE, init=None, data_parallel=plain)
+    assert plain.asked[0].module(plain.asked[0].entry) == BUNDLE.module(BUNDLE.entry)
+    older = Fixed(SyncPlan())  # plan(trained) only: called as it is
+    Model.from_ir(BUNDLE, init=None, data_parallel=older)
+    assert len(older.asked) == 1 and isinstance(older.asked[0], list)
 
 
 def test_grad_sync_ops_run_on_the_gradients_between_backward_and_update(session: PluginSession) -> None:

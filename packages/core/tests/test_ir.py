@@ -18,6 +18,7 @@ from kiln.core.ir import (
     IR_VERSION,
     ActivationLayout,
     ActivationSlot,
+    Annotation,
     BinOp,
     Bundle,
     Const,
@@ -283,7 +284,7 @@ def _accepts_or_kiln_error(data: Any) -> None:
 
 
 TAGS = ["tensortype", "tensordecl", "op", "graph", "paramspec", "loratarget", "activationslot",
-        "activationlayout", "module", "bundle"]
+        "activationlayout", "annotation", "module", "bundle"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -641,6 +642,7 @@ EXAMPLES = [
     ParamSpec("w"),
     ActivationSlot("a"),
     ActivationLayout(),
+    Annotation("hook", "tensor", "h", {"point": "AfterAttention"}),
     BLOCK,
     Bundle((BLOCK,)),
 ]
@@ -649,13 +651,13 @@ EXAMPLES = [
 @pytest.mark.parametrize("obj", EXAMPLES, ids=lambda o: type(o).__name__)
 def test_every_object_carries_the_ir_version(obj: Any) -> None:
     d = obj.to_dict()
-    assert IR_VERSION == 1
-    assert d["kiln_ir"] == 1 and type(d["kiln_ir"]) is int
+    assert IR_VERSION == 2
+    assert d["kiln_ir"] == 2 and type(d["kiln_ir"]) is int
     assert d["ir"] == type(obj).__name__.lower()
     assert from_json(d) == obj
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", 1.0, True, None, [1]])
+@pytest.mark.parametrize("version", [3, 0, -1, "1", 1.0, True, None, [1]])
 def test_unknown_version_is_rejected(version: Any) -> None:
     d = GOOD.to_dict()
     d["kiln_ir"] = version
@@ -688,3 +690,14 @@ def test_field_errors_name_the_path_to_the_culprit(path: tuple[Any, ...], value:
         from_json(d)
     assert expected in info.value.message
     assert info.value.code == "E003"
+
+
+def test_version_1_objects_migrate_to_the_current_version() -> None:
+    block = BLOCK.evolve(annotations=[Annotation("frozen", "param", "w"), Annotation("checkpoint", "module")])
+    d = BLOCK.to_dict()
+    d["kiln_ir"] = 1
+    assert from_json(d) == BLOCK  # a version 1 object has no annotations
+    assert from_json(json.dumps(d)).to_dict()["kiln_ir"] == IR_VERSION
+    assert from_json(block.to_json()) == block != BLOCK
+    with pytest.raises(IRError, match=r"Annotation\.on"):
+        from_json({**block.to_dict(), "annotations": [{"kind": "frozen", "on": "layer"}]})

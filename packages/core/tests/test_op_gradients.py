@@ -16,6 +16,16 @@ def test_the_registry_has_the_core_op_library() -> None:
         assert name in DIFFERENTIABLE, name
 
 
+@pytest.mark.parametrize("name", [
+    "geglu", "add3", "qk_norm", "moe_router", "grouped_gemm", "moe_aux_loss",  # issue 24's new ops
+    "mamba_conv1d", "mamba_selective_scan",  # issue 23's Mamba ops
+])
+def test_the_new_ops_are_in_the_generic_check(name: str) -> None:
+    """Each op the seed audits added has a backward rule, so the check above runs it: an op that lost
+    its rule would drop out of the parametrized check silently."""
+    assert name in DIFFERENTIABLE, name
+
+
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
 def test_backward_rule_matches_finite_differences(name: str) -> None:
     reports = check_op(REGISTRY[name], REGISTRY)

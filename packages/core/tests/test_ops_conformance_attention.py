@@ -102,3 +102,48 @@ def test_softcap_must_be_positive() -> None:
     ins = [TensorType(parse_shape(["B", "T", "H", "D"]), "fp32")] * 3
     with pytest.raises(OpError, match="softcap must be > 0"):
         opdef.infer(InferContext("attention", ins, opdef.resolve_attrs({"softcap": 0.0})))
+
+
+@pytest.mark.parametrize(("attrs", "segments"), CASES)
+def test_flash_attention_takes_softcap_and_alibi_as_attention_does(attrs: dict[str, Any],
+                                                                   segments: np.ndarray | None) -> None:
+    """Packed qkv through flash_attention equals its unpacked q, k, v through attention (itself checked
+    against the per-query loop above), forward and backward."""
+    rng = np.random.default_rng(5)
+    b, t, hq, hkv, d = 2, 5, 6, 2, 3
+    qkv = rng.standard_normal((b, t, (hq + 2 * hkv) * d)) * 3
+    q = qkv[..., :hq * d].reshape(b, t, hq, d)
+    k = qkv[..., hq * d:(hq + hkv) * d].reshape(b, t, hkv, d)
+    v = qkv[..., (hq + hkv) * d:].reshape(b, t, hkv, d)
+    heads = {"Hq": hq, "Hkv": hkv, "D": d}
+    seg = () if segments is None else (segments,)
+    out, lse = REGISTRY.get_op("flash_attention").run((qkv, *seg), {**heads, **attrs})
+    want_out, want_lse = oracle(q, k, v, causal=attrs.get("causal", True), window=attrs.get("window_size"),
+                                softcap=attrs.get("softcap"), alibi=attrs.get("alibi", False),
+                                segments=segments)
+    np.testing.assert_allclose(out, want_out.reshape(b, t, hq * d), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-10)
+    d_out = rng.standard_normal(out.shape)
+    (d_qkv,) = REGISTRY.get_op("flash_attention_backward").run((d_out, qkv, out, lse, None, *seg),
+                                                               {**heads, **attrs})
+    a_out, a_lse = REGISTRY.get_op("attention").run((q, k, v, *seg), attrs)
+    dq, dk, dv = REGISTRY.get_op("attention_backward").run(
+        (d_out.reshape(q.shape), q, k, v, a_out, a_lse, None, *seg), attrs)
+    np.testing.assert_allclose(d_qkv, np.concatenate([g.reshape(b, t, -1) for g in (dq, dk, dv)], axis=-1),
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["attention", "flash_attention"])
+@pytest.mark.parametrize("softcap", [0.0, -1.0])
+def test_softcap_must_be_positive_in_both_attention_ops(op: str, softcap: float) -> None:
+    opdef = REGISTRY.get_op(op)
+    if op == "attention":
+        ins = [TensorType(parse_shape(["B", "T", "H", "D"]), "fp32")] * 3
+        attrs: dict[str, Any] = {"softcap": softcap}
+    else:
+        ins = [TensorType(parse_shape(["B", "T", 12]), "fp32")]
+        attrs = {"Hq": 2, "Hkv": 1, "D": 3, "softcap": softcap}
+    with pytest.raises(OpError, match=f"softcap must be > 0, found {softcap}"):
+        opdef.infer(InferContext(op, ins, opdef.resolve_attrs(attrs)))
+    with pytest.raises(OpError, match="alibi"):
+        opdef.resolve_attrs({**attrs, "softcap": None, "alibi": "yes"})

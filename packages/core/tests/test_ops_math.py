@@ -76,6 +76,8 @@ def test_out_kernels_match_the_reference_kernels_in_place(name: str) -> None:
     op = OPS[name]
     for sample in op.samples(rng):  # type: ignore[misc]
         ref = op.kernel(*sample.inputs)
+        if ref.shape != sample.inputs[0].shape:
+            continue  # a broadcast first input is too small to write the result over
         first = sample.inputs[0].copy()
         kernel = get_registry("kernels").find(name, "numpy", "float64")
         assert kernel is not None and kernel.inplace == {0}

@@ -3,8 +3,13 @@ held to one thread while a Program runs, and the fused LM-head pass against the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -153,3 +158,67 @@ def test_fused_lm_head_pass_matches_the_two_steps(tie: bool) -> None:
     assert abs(loss_f - loss_p) <= 1e-12 * abs(loss_p)
     for name in grads_p:
         assert max_rel_error(grads_f[name], grads_p[name]) < 1e-10, name
+
+
+def test_blas_holds_stay_balanced_when_threads_interleave() -> None:
+    """The main thread holds BLAS, a second thread holds it too, the main thread leaves first: BLAS
+    stays held until the second leaves, and the next hold holds it again (the count of open holds
+    never goes wrong). The checks read BLAS from the main thread: OpenBLAS may ignore a thread count
+    set from another thread."""
+    from threadpoolctl import ThreadpoolController
+
+    before = _blas_threads()
+    b_in, a_out, b_out = threading.Event(), threading.Event(), threading.Event()
+
+    def b() -> None:
+        with _threads.blas_held_to_one_thread():
+            b_in.set()
+            a_out.wait(20)
+        b_out.set()
+
+    other = threading.Thread(target=b)
+    try:
+        with _threads.blas_held_to_one_thread():
+            other.start()
+            assert b_in.wait(20)
+        a_out.set()
+        assert all(n == 1 for n in _blas_threads())  # the second thread still holds it
+        assert b_out.wait(20)
+        other.join(20)
+        assert _threads._held == 0
+        with _threads.blas_held_to_one_thread():
+            assert all(n == 1 for n in _blas_threads())
+    finally:
+        a_out.set()
+        other.join(20)
+        if len(set(before)) == 1:  # as it was, set from this thread
+            ThreadpoolController().limit(limits=before[0], user_api="blas")
+    assert _blas_threads() == before
+
+
+def test_a_blas_loaded_after_the_first_run_is_held_too(tmp_path: Path) -> None:
+    """A library imported after kiln first held BLAS (scipy brings an OpenBLAS of its own) is held
+    as well. In a fresh interpreter, so that the import really comes after the first run."""
+    pytest.importorskip("scipy.linalg")
+    script = tmp_path / "late_blas.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        from threadpoolctl import threadpool_info
+        from kiln.core import _threads
+
+        def blas():
+            return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+        with _threads.blas_held_to_one_thread():
+            np.ones((4, 4)) @ np.ones((4, 4))
+        import scipy.linalg  # noqa: F401  (a second BLAS)
+        assert len(blas()) >= 2, blas()
+        before = blas()
+        with _threads.blas_held_to_one_thread():
+            assert all(n == 1 for n in blas()), blas()
+        assert blas() == before, (blas(), before)
+        print("ok")
+    """))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr

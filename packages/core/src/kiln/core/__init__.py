@@ -31,6 +31,7 @@ from kiln.core.ops import (
 )
 from kiln.core.plan._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup
 from kiln.core.plan._passes import GraphPass, PassRun
+from kiln.core.plan._precision import Precision
 from kiln.core.plan._program import PHASES, Fusion, Program, Slot, Step, Tensor, compile
 from kiln.core.plan.recompute import RecomputePlan
 from kiln.core.plugins._hookspecs import hookimpl
@@ -91,6 +92,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "PluginSession",
+    "Precision",
     "Program",
     "RecomputePlan",
     "Sample",

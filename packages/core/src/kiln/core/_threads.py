@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -187,32 +188,43 @@ def scratch(key: str, size: int, dtype: Any) -> np.ndarray:
 
 
 _blas: Any = None
-_held = 0  # nesting depth of blas_held_to_one_thread()
+_scanned = -1  # len(sys.modules) when _blas scanned the loaded libraries
+_held = 0  # how many blas_held_to_one_thread() blocks are open, in any thread
+_limiter: Any = None  # the limit they share, restored when the last one closes
+_hold_lock = threading.Lock()
+
+
+def _controller() -> Any:
+    """threadpoolctl's view of the loaded BLAS libraries, scanned again whenever modules were imported
+    since the last scan: an import (scipy, torch) may load a BLAS of its own, which a view taken
+    before it would leave running on all its threads."""
+    global _blas, _scanned
+    if _blas is None or _scanned != len(sys.modules):
+        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+
+        _blas, _scanned = ThreadpoolController(), len(sys.modules)
+    return _blas
 
 
 @contextlib.contextmanager
 def blas_held_to_one_thread() -> Iterator[None]:
-    """BLAS held to one thread inside the block (through threadpoolctl), restored when the outermost
-    such block ends. The NumPy backend holds it for a whole Program run: BLAS's own workers, once
-    woken, keep spinning for a while after each product and would take the cores from kiln's."""
-    global _blas, _held
-    if _held:
+    """BLAS held to one thread inside the block (through threadpoolctl), restored when the last open
+    such block ends, in whichever thread. The NumPy backend holds it for a whole Program run: BLAS's
+    own workers, once woken, keep spinning for a while after each product and would take the cores
+    from kiln's."""
+    global _held, _limiter
+    with _hold_lock:
+        if _held == 0:
+            _limiter = _controller().limit(limits=1, user_api="blas")
         _held += 1
-        try:
-            yield
-        finally:
+    try:
+        yield
+    finally:
+        with _hold_lock:
             _held -= 1
-        return
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
-
-        _blas = ThreadpoolController()  # scans the loaded BLAS libraries once (NumPy's is loaded by now)
-    with _blas.limit(limits=1, user_api="blas"):
-        _held = 1
-        try:
-            yield
-        finally:
-            _held = 0
+            if _held == 0:
+                _limiter.restore_original_limits()
+                _limiter = None
 
 
 #: products smaller than this (multiply-adds) run in one BLAS call; larger ones are cut across threads

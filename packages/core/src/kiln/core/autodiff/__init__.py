@@ -9,7 +9,7 @@ from kiln.core.autodiff._autodiff import (
     verify_backward,
 )
 from kiln.core.autodiff._explicit import explicit_backward
-from kiln.core.ir._verify import NONDIFF_PATTERNS, check_backward
+from kiln.core.ir._verify import check_backward, nondiff_tensors
 from kiln.core.ops import register_backward_rule
 from kiln.core.ops._ops import BackwardContext, no_gradient
 
@@ -17,7 +17,6 @@ from kiln.core.ops._ops import BackwardContext, no_gradient
 register_rule = register_backward_rule
 
 __all__ = [
-    "NONDIFF_PATTERNS",
     "BackwardContext",
     "BackwardResult",
     "DeriveBackwardOptions",
@@ -26,6 +25,7 @@ __all__ = [
     "explicit_backward",
     "has_rule",
     "no_gradient",
+    "nondiff_tensors",
     "register_rule",
     "registered_ops",
     "verify_backward",

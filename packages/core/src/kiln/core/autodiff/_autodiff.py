@@ -18,7 +18,7 @@ from attrs import field
 from kiln.core._errors import AutodiffError
 from kiln.core.ir._infer import infer_types
 from kiln.core.ir._ir import FrozenDict, Graph, Module, Op, TensorDecl, TensorType, is_float
-from kiln.core.ir._verify import _nondiff_name
+from kiln.core.ir._verify import nondiff_tensors
 from kiln.core.ops._ops import BackwardContext, OpRegistry
 
 
@@ -82,9 +82,11 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
                 f"stop_gradients names {name!r}, which is not a tensor of graph {graph.name!r}",
                 tensor=name, code="E002")
 
+    nondiff = nondiff_tensors(graph, registry, modules)  # from op traits, never from names
+
     def differentiable(name: str) -> bool:
         t = types.get(name)
-        return (bool(name) and name not in stops and not _nondiff_name(name)
+        return (bool(name) and name not in stops and name not in nondiff
                 and (t is None or is_float(t.dtype)))
 
     # Step 2: needs_grad = reaches the loss, depends on a trainable leaf, and is differentiable.
@@ -328,9 +330,15 @@ def has_rule(op_type: str, registry: OpRegistry | None = None) -> bool:
 
 def verify_backward(forward: Graph, backward: Graph | None = None, *, bindings: Mapping[str, int],
                     registry: OpRegistry | None = None, seed: int = 0, eps: float = 1e-6,
-                    loss_name: str = "loss", params: Sequence[str] | None = None) -> dict[str, float]:
+                    loss_name: str = "loss", params: Sequence[str] | None = None,
+                    grad_prefix: str | None = None) -> dict[str, float]:
     """The autograd oracle check: gradients of ``sum(loss * r)`` from the backward graph vs central
-    finite differences, in float64 on small random inputs. Returns max relative error per parameter."""
+    finite differences, in float64 on small random inputs. Returns max relative error per parameter.
+
+    Gradients are named ``grad_prefix + name`` (the seed ``grad_prefix + loss_name``): by default the
+    prefix the backward graph records in its metadata (``derive_backward`` does), else ``d_``; a derived
+    backward is derived with it. A parameter in ``params`` the backward gives no gradient, or none at all
+    where some parameter is float, is an ``AutodiffError`` naming the gradients it looked for."""
     from kiln.core.autodiff._gradcheck import central_differences, max_rel_error
     from kiln.core.autodiff._interp import run_graph
     from kiln.core.ir._dims import evaluate_shape
@@ -340,8 +348,18 @@ def verify_backward(forward: Graph, backward: Graph | None = None, *, bindings: 
 
         registry = op_registry()
     if backward is None:
-        res = derive_backward(forward, DeriveBackwardOptions(loss_name=loss_name), registry=registry)
-        backward = res.backward
+        opts = DeriveBackwardOptions(loss_name=loss_name, grad_prefix=grad_prefix or "d_")
+        backward = derive_backward(forward, opts, registry=registry).backward
+    p = grad_prefix if grad_prefix is not None else str(backward.metadata.get("grad_prefix", "d_"))
+    seeds = [d.name for d in backward.inputs]
+    if seeds and f"{p}{loss_name}" not in seeds:
+        raise AutodiffError(f"backward {backward.name!r} is seeded by {', '.join(map(repr, seeds))}, not "
+                            f"{p + loss_name!r} (gradient prefix {p!r})",
+                            hint="pass grad_prefix= as the backward names its gradients")
+    unknown = [n for n in params or () if n not in {d.name for d in forward.params}]
+    if unknown:
+        raise AutodiffError(f"verify_backward: {', '.join(map(repr, unknown))} is not a parameter of "
+                            f"{forward.name!r}")
     rng = np.random.default_rng(seed)
     values: dict[str, np.ndarray] = {}
     for d in (*forward.inputs, *forward.params):
@@ -353,11 +371,17 @@ def verify_backward(forward: Graph, backward: Graph | None = None, *, bindings: 
             values[d.name] = rng.integers(0, max(hi, 1), size=shape).astype(np.int32)
     env = run_graph(forward, values, registry=registry, bindings=bindings, float_dtype=np.float64)
     r = rng.standard_normal(np.shape(env[loss_name]))
-    bwd_in = {**env, **{f"saved.{k}": v for k, v in env.items()}, f"d_{loss_name}": r}
+    bwd_in = {**env, **{f"saved.{k}": v for k, v in env.items()}, f"{p}{loss_name}": r}
     genv = run_graph(backward, bwd_in, registry=registry, bindings=bindings, float_dtype=np.float64)
+    wanted = [d for d in forward.params if (params is None or d.name in params) and is_float(d.dtype)]
+    missing = [d.name for d in wanted if f"{p}{d.name}" not in genv]
+    if (params is not None and missing) or (wanted and len(missing) == len(wanted)):
+        raise AutodiffError(f"backward {backward.name!r} computes no gradient "
+                        f"{', '.join(repr(p + n) for n in missing)} (gradient prefix {p!r})",
+                        hint="pass grad_prefix= as the backward names its gradients")
     report: dict[str, float] = {}
     for d in forward.params:
-        if (params is not None and d.name not in params) or f"d_{d.name}" not in genv:
+        if (params is not None and d.name not in params) or f"{p}{d.name}" not in genv:
             continue
 
         def loss(x: np.ndarray, name: str = d.name) -> float:
@@ -366,5 +390,5 @@ def verify_backward(forward: Graph, backward: Graph | None = None, *, bindings: 
             return float(np.sum(env[loss_name] * r))
 
         fd = central_differences(loss, values[d.name], eps)
-        report[d.name] = max_rel_error(np.asarray(genv[f"d_{d.name}"]).reshape(fd.shape), fd)
+        report[d.name] = max_rel_error(np.asarray(genv[f"{p}{d.name}"]).reshape(fd.shape), fd)
     return report

@@ -20,7 +20,7 @@ from kiln.core.autodiff._autodiff import BackwardResult, DeriveBackwardOptions, 
 from kiln.core.ir._dims import dims_equal, evaluate_shape
 from kiln.core.ir._infer import infer_types
 from kiln.core.ir._ir import FrozenDict, Graph, Module, TensorDecl, is_float
-from kiln.core.ir._verify import _nondiff_name, check_backward
+from kiln.core.ir._verify import check_backward, nondiff_tensors
 from kiln.core.ops._ops import OpRegistry
 
 #: Sizes the oracle gives the batch and sequence dims, and any other symbol the config leaves free.
@@ -38,7 +38,7 @@ def explicit_backward(module: Module, *, loss_name: str | None = None, registry:
     raises :class:`AutodiffError` with one diagnostic per problem (E002-E007, E017-E020); gradients
     that differ from the derived backward's by more than ``tolerance`` (max relative error) raise
     one naming the module and the gradient. Gradients kiln never computes (of frozen parameters,
-    integer tensors and the names of :data:`NONDIFF_PATTERNS`) are not compared.
+    integer tensors and those no op passes a gradient to, :func:`nondiff_tensors`) are not compared.
     """
     if registry is None:
         from kiln.core.ops.library import op_registry
@@ -62,8 +62,9 @@ def explicit_backward(module: Module, *, loss_name: str | None = None, registry:
     p = str(bwd.metadata.get("grad_prefix", "d_"))
     produced = {o for op in bwd.ops for o in op.outputs}
     grads = {d.name: p + d.name for d in (*fwd.inputs, *fwd.params) if p + d.name in produced}
+    nondiff = nondiff_tensors(fwd, registry, modules)
     compared = {d.name: grads[d.name] for d in (*fwd.inputs, *fwd.params) if d.name in grads
-                and d.name not in frozen and is_float(d.dtype) and not _nondiff_name(d.name)}
+                and d.name not in frozen and is_float(d.dtype) and d.name not in nondiff}
     _oracle(module, derived, compared, registry, modules, bindings, seed, tolerance)
     saves = tuple(dict.fromkeys(i[6:] for op in bwd.ops for i in op.inputs if i.startswith("saved.")))
     return BackwardResult(fwd.evolve(save=saves), bwd, saves, FrozenDict(grads))

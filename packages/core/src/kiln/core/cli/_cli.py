@@ -151,6 +151,30 @@ def configure_plan(p: argparse.ArgumentParser) -> None:
                         "e.g. --pass 'lora={\"r\": 8}'")
     p.add_argument("--pareto", action="store_true",
                    help="print every auto plan: saved activations, planned peak and extra FLOPs")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="precision recipe (default fp32, or the train config's): bf16 plans bf16 activations "
+                        "at 2 bytes, with fp32 master weights, gradients and optimizer state")
+    p.add_argument("--offload", action="store_true",
+                   help="with --recompute auto, the planner may also move activations to the host pool")
+    p.add_argument("--recompute-option", dest="recompute_options", action="append", default=[],
+                   metavar="NAME=VALUE",
+                   help="an option of the recompute planner (repeatable; VALUE is JSON, else a string), e.g. "
+                        "--recompute-option granularity=block, --recompute-option include_layernorm=false")
+    p.add_argument("--ranks", type=_at_least_one, default=None,
+                   help="plan one rank of a run on this many ranks (kiln-dist): data parallel, --batch being "
+                        "the global batch; prints the bytes each rank holds (default: a train config's "
+                        "[parallel] section)")
+    p.add_argument("--zero", action="store_true", help="with --ranks, ZeRO-1: the optimizer state split over "
+                                                       "the data-parallel ranks")
+    p.add_argument("--tensor", type=_at_least_one, default=None,
+                   help="with --ranks, the tensor-parallel degree: groups of this many ranks hold the model "
+                        "in slices")
+    p.add_argument("--measure", action="store_true",
+                   help="also run a few steps of the Program and of one without recompute, interleaved, and "
+                        "show the measured recompute overhead beside the predicted one")
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="also predict the step time on this device (e.g. h100, a100, h200), as a plugin "
+                        "that knows it says (kiln-kernels-cuda: a roofline from kiln's op costs)")
 
 
 def _at_least_one(text: str) -> int:
@@ -206,6 +230,19 @@ def load_model(name: str, config: str | None = None) -> tuple[Any, dict[str, Any
                          "configs")
 
 
+def parse_recompute_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--recompute-option``: VALUE as JSON (``true``, ``0.5``), else the string."""
+    import json
+
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise KilnError(f"--recompute-option {text!r}: expected NAME=VALUE (granularity=block)")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def parse_pass(text: str) -> str | tuple[str, dict[str, Any]]:
     """``NAME`` or ``NAME=JSON-OBJECT`` (a graph pass and its options)."""
     name, sep, options = text.partition("=")
@@ -253,9 +290,21 @@ def run_plan(args: argparse.Namespace) -> int:
     bundle, given = load_model(args.model, args.config)
     s = _settings(args, given)
     binds = {"B": s["batch"], "T": s["seq"]}
-    options = {k: s[k] for k in ("backend", "optimizer") if k in s}
-    prog = compile(bundle, bindings=binds, mode=s["mode"], recompute=s["recompute"],
-                   recompute_budget=s["budget"], passes=s["passes"], **options)
+    if getattr(args, "precision", None) is not None:
+        s["precision"] = args.precision
+    options: dict[str, Any] = {k: s[k] for k in ("backend", "optimizer", "precision") if k in s}
+    recompute_options = dict(parse_recompute_option(o) for o in getattr(args, "recompute_options", ()))
+    if getattr(args, "offload", False):
+        if s["recompute"] != "auto":
+            raise KilnError(f"--offload applies only with --recompute auto (recompute is "
+                            f"{s['recompute']!r}); "
+                            "--recompute offload offloads every activation it can")
+        recompute_options["offload"] = True
+    if recompute_options:
+        options["recompute_options"] = recompute_options
+    ranks = _rank_programs(args, bundle, binds, s, options)
+    prog = ranks[0][1] if ranks else compile(bundle, bindings=binds, mode=s["mode"], recompute=s["recompute"],
+                                             recompute_budget=s["budget"], passes=s["passes"], **options)
     plan = prog.recompute
     print("passes:")
     for run in prog.passes:
@@ -267,10 +316,32 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"note: no parameter trains in {s['mode']} mode (LoRA adapters come from --pass lora, or a "
               "train config in LoRA mode)")
     print()
+    if prog.precision.lowers:
+        print(f"precision {prog.precision.name!r}: {len(prog.rounded)} tensors hold {prog.precision.low} "
+              f"values (weights, gradients and optimizer state stay {prog.precision.master})")
     print(plan.table())
+    stages = [(m.name, a) for m in getattr(bundle, "modules", ()) for a in m.annotated("partition")]
+    if stages:  # seed 004 @partition: verified and carried; a run refuses it
+        print("pipeline stages (@partition; not executed yet: kiln runs no pipeline parallelism):")
+        for owner, a in sorted(stages, key=lambda x: int(x[1].args["stage"])):
+            print(f"  stage {a.args['stage']}: {a.on} {a.target or owner!r} of {owner}")
+    _print_kernel_choices(bundle, prog, s.get("backend", "numpy"))
+    for b in plan.blocks:
+        if b.offloaded:
+            which = f" (layers {', '.join(map(str, b.layer_ids))})" if b.layer_ids else ""
+            print(f"offloaded to the host pool in {b.module}{which}: {', '.join(b.offloaded)}")
     print()
-    print("planned peak:")
+    print("planned peak" + (" of rank 0:" if ranks else ":"))
     print(textwrap.indent(prog.memory_table(), "  "))
+    if ranks:
+        print()
+        print(_rank_table(args, ranks))
+    if plan.mode != "none" and getattr(prog, "task", "train") == "train" and not ranks:
+        print()
+        print(_recompute_overhead(prog, bundle, binds, s, options, getattr(args, "measure", False)))
+    if getattr(args, "device", None):
+        print()
+        print(_step_time(prog, args.device))
     if args.pareto:
         report = prog.memory_report()
         fixed = sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs"))
@@ -280,8 +351,128 @@ def run_plan(args: argparse.Namespace) -> int:
             from kiln.core.plugins._session import get_registry
 
             bundle = run_passes(_as_bundle(bundle, None), s["passes"], get_registry("graph_passes"))[0]
-        _print_pareto(bundle, binds, s["mode"], fixed)
+        _print_pareto(bundle, binds, s["mode"], fixed, prog.precision)
     return 0
+
+
+def _print_kernel_choices(bundle: Any, prog: Any, backend: Any) -> None:
+    """What ``@kernel`` and ``@nofuse`` (seed 004 §7.5) change in the Program a Model runs, and the
+    steps ``@precision``/``@dtype`` move off the recipe: one line per annotated tensor."""
+    from kiln.core.plugins._session import get_registry
+    from kiln.core.runtime._hooks import select_kernels
+
+    modules = {m.name: m for m in getattr(bundle, "modules", ())}
+    model = modules.get(getattr(bundle, "entry", None) or "") or next(iter(modules.values()), None)
+    wanted = [(m.name, a) for m in modules.values() for a in m.annotations
+              if a.on == "tensor" and a.kind in ("kernel", "nofuse", "precision", "dtype")]
+    if model is None or not wanted:
+        return
+    be = get_registry("backends")[backend] if isinstance(backend, str) else backend
+    chosen = select_kernels(prog, model, {k: v for k, v in modules.items() if k != model.name},
+                            get_registry("kernels"), be)
+    fused = {i for f in prog.fusions for i in f.steps}
+    kept = {i for f in chosen.fusions for i in f.steps}
+    print("annotated kernels and precision (@kernel, @nofuse, @precision, @dtype):")
+    stacks = {f"{p.name}.": p.array_of for p in model.params if p.array_of}
+
+    def module_of(st: Any) -> str:
+        first = next((k for k in st.outputs if k), "")
+        return str(model.name if st.layer is None else next(
+            (m for pre, m in stacks.items() if first.startswith(pre)), model.name))
+
+    for owner, a in wanted:
+        steps = [st for st in chosen.steps if st.phase == "forward" and st.op.outputs[:1] == (a.target,)
+                 and module_of(st) == owner]
+        if a.kind == "kernel":
+            got = sorted({st.kernel or "reference" for st in steps})
+            what = f"runs {', '.join(got) or 'nothing'} (asked {a.args['name']!r})"
+        elif a.kind == "nofuse":
+            unfused = sum(1 for st in steps if st.index in fused and st.index not in kept)
+            what = f"not fused ({unfused} fused step(s) split)" + (f": {a.args['reason']}" if "reason" in
+                                                                   a.args else "")
+        else:
+            got = sorted({prog.computes.get(st.outputs[0], "recipe") for st in steps})
+            low = sum(1 for st in steps if st.outputs[0] in prog.rounded)
+            what = f"@{a.kind}{dict(a.args)}: computes in {', '.join(got)}, {low}/{len(steps)} bf16 output(s)"
+        print(f"  tensor {a.target!r} of {owner} ({len(steps)} step(s)): {what}")
+
+
+def _recompute_overhead(prog: Any, bundle: Any, binds: dict[str, int], s: dict[str, Any],
+                        options: dict[str, Any], measure: bool) -> str:
+    """``kiln plan``: the step time the plan's recompute adds, as this machine's calibrated kernels
+    predict it (backends that run on the host) and, with ``--measure``, as a few steps measure it."""
+    from kiln.core.plan._calibrate import measure_step, predict
+    from kiln.core.plan._program import compile
+    from kiln.core.plugins._session import get_registry
+
+    if getattr(get_registry("backends")[prog.backend], "device", "cpu") != "cpu":
+        return f"recompute overhead: not predicted here (backend {prog.backend!r} does not run on this host)"
+    ours = predict(prog)
+    base = compile(bundle, bindings=binds, mode=s["mode"], passes=s["passes"],
+                   **{k: v for k, v in options.items() if k != "recompute_options"})
+    step = predict(base)["step"]
+    extra = ours["step"] - step
+    line = (f"recompute overhead: predicted {extra * 1e3:+.1f} ms per step ({extra / step:+.1%} of "
+            f"{step * 1e3:.1f} ms without recompute; {ours['recompute'] * 1e3:.1f} ms of replays)")
+    if prog.recompute.mode == "auto":
+        line += f"; the planner priced recompute by {prog.recompute.cost}"
+    if measure:
+        t_base, t_ours = measure_step([base, prog])
+        line += (f"\n                    measured  {(t_ours - t_base) * 1e3:+.1f} ms per step "
+                 f"({t_ours / t_base - 1:+.1%} of {t_base * 1e3:.1f} ms; forward and backward, fastest of 3)")
+    return line
+
+
+def _step_time(program: Any, device: str) -> str:
+    """``kiln plan --device``: the step time the first plugin that knows ``device`` predicts."""
+    found = plugin_manager().hook.kiln_step_time(program=program, device=device.lower())
+    if found is None:
+        raise KilnError(f"--device {device!r}: no installed plugin predicts step times on it",
+                        hint="kiln-kernels-cuda knows NVIDIA GPUs (pip install kiln-kernels-cuda)")
+    return f"predicted step time on {device}:\n" + textwrap.indent(found.table(), "  ")
+
+
+def _rank_programs(args: argparse.Namespace, bundle: Any, binds: dict[str, int], s: dict[str, Any],
+                   options: dict[str, Any]) -> list[tuple[int, Any]]:
+    """``--ranks``: kiln-dist's Programs of the ranks that differ (rank 0's first); [] without it."""
+    ranks, tensor = getattr(args, "ranks", None), getattr(args, "tensor", None)
+    zero = getattr(args, "zero", False)
+    if s.get("ranks"):  # a train config's [parallel] section, where no flag says otherwise
+        ranks = args.ranks = ranks if ranks is not None else s["ranks"]
+        tensor = args.tensor = tensor if tensor is not None else s.get("tensor")
+        zero = args.zero = zero or bool(s.get("zero"))
+    if ranks is None:
+        if tensor is not None or zero:
+            raise KilnError(f"{'--tensor' if tensor is not None else '--zero'} applies with --ranks N (the "
+                            "number of ranks of the run)")
+        return []
+    try:
+        from kiln.dist import rank_programs  # type: ignore[import-untyped]  # a plugin, maybe absent
+    except ImportError:
+        raise KilnError("--ranks needs kiln-dist, which is not installed",
+                        hint="pip install kiln-dist") from None
+    programs: list[tuple[int, Any]] = rank_programs(
+        bundle, ranks=ranks, tensor=tensor or 1, zero=zero, bindings=binds, mode=s["mode"],
+        recompute=s["recompute"], recompute_budget=s["budget"], passes=s["passes"], **options)
+    return programs
+
+
+def _rank_table(args: argparse.Namespace, ranks: list[tuple[int, Any]]) -> str:
+    """Bytes per rank by kind, a row per rank whose Program differs from the others'."""
+    from kiln.core.plan.recompute import _size
+
+    tensor = args.tensor or 1
+    how = f"{args.ranks // tensor} data-parallel" + (f" x {tensor} tensor-parallel" if tensor > 1 else "")
+    rows = [f"bytes per rank ({args.ranks} ranks: {how}{', ZeRO-1' if args.zero else ''}; "
+            + ("each rank's" if args.zero else "the same on every rank") + "):",
+            f"  {'rank':<6}" + "".join(f"{h:>14}" for h in ("parameters", "gradients", "optimizer",
+                                                           "activations", "peak"))]
+    for r, prog in ranks:
+        m = prog.memory_report()
+        act = m["saved_activations"] + m["transient"] + m["inputs"] + m["outputs"]
+        cells = (m["weights"], m["gradients"], m["optimizer_state"], act, m["peak"])
+        rows.append(f"  {r:<6}" + "".join(f"{_size(c):>14}" for c in cells))
+    return "\n".join(rows)
 
 
 def _budget(n: int) -> str:
@@ -293,11 +484,12 @@ def _budget(n: int) -> str:
     return str(n)
 
 
-def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int) -> None:
+def _print_pareto(bundle: Any, binds: dict[str, int], mode: str, fixed: int, precision: Any = "fp32") -> None:
     from kiln.core.plan._program import measure
     from kiln.core.plan.recompute import _size, pareto, plan_context
 
-    points = pareto(plan_context(bundle, bindings=binds, mode=mode), measure=measure(bundle, binds, mode))
+    points = pareto(plan_context(bundle, bindings=binds, mode=mode, precision=precision),
+                    measure=measure(bundle, binds, mode, precision=precision))
     rows = [("budget", "saved", "activations", "peak", "extra GFLOP", "matmul")]
     for pt in points:
         act = pt.peak or 0

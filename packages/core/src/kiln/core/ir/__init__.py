@@ -17,11 +17,13 @@ from kiln.core.ir._dims import (
     simplify,
 )
 from kiln.core.ir._ir import (
+    ANNOTATION_TARGETS,
     DTYPES,
     IR_VERSION,
     PARAM_ROLES,
     ActivationLayout,
     ActivationSlot,
+    Annotation,
     Bundle,
     FrozenDict,
     Graph,
@@ -40,12 +42,14 @@ from kiln.core.ir._ir import (
 from kiln.core.ir._verify import STRUCTURAL_OPS, diagnostics, verify
 
 __all__ = [
+    "ANNOTATION_TARGETS",
     "DTYPES",
     "IR_VERSION",
     "PARAM_ROLES",
     "STRUCTURAL_OPS",
     "ActivationLayout",
     "ActivationSlot",
+    "Annotation",
     "BinOp",
     "Bundle",
     "Call",

@@ -1,4 +1,4 @@
-"""kiln's graph IR: frozen attrs values with an exact, versioned JSON form (``"kiln_ir": 1``).
+"""kiln's graph IR: frozen attrs values with an exact, versioned JSON form (``"kiln_ir": 2``).
 
 Tensors are named by strings (SSA). Shapes are tuples of symbolic :class:`DimExpr` bound when a
 Program is built. Attribute values are JSON data frozen into tuples and :class:`FrozenDict`.
@@ -18,7 +18,7 @@ from attrs import field
 from kiln.core._errors import IRError, KilnError
 from kiln.core.ir._dims import Const, DimExpr, Shape, parse_dim, parse_shape
 
-IR_VERSION = 1
+IR_VERSION = 2
 
 #: The dtypes an IR tensor may carry: name -> (bits, kind) where kind is "float" or "int".
 DTYPES: Mapping[str, tuple[int, str]] = {
@@ -33,12 +33,14 @@ DTYPES: Mapping[str, tuple[int, str]] = {
 }
 
 SCOPES = ("block", "global", "gradient", "global_gradient")
-MEMORY_HINTS = ("persistent", "save", "recompute", "temporary", "shared")
+MEMORY_HINTS = ("persistent", "save", "recompute", "temporary", "shared", "offload")
 SHARE_POLICIES = ("per_layer", "when_recomputed", "always_share", "fft_share", "lora_share")
 RECOMPUTE_POLICIES = ("always", "lora_only", "fft_only", "never")
 MODULE_KINDS = ("module", "block", "model", "primitive")
 #: what a parameter is for, independent of its name (optimizer groups, LoRA trainability)
 PARAM_ROLES = ("weight", "bias", "norm", "embedding", "adapter")
+#: what an :class:`Annotation` is attached to (seed 004 §7.1)
+ANNOTATION_TARGETS = ("tensor", "param", "module")
 
 
 def is_float(dtype: str) -> bool:
@@ -279,12 +281,15 @@ def from_json(data: str | bytes | Mapping[str, Any]) -> Any:
     if not isinstance(data, Mapping):
         raise IRError(f"IR JSON must be an object, found {type(data).__name__}", code="E001")
     version = data.get("kiln_ir")
-    if type(version) is not int or version != IR_VERSION:  # True and 1.0 equal 1 but are not versions
+    # True and 1.0 equal 1 but are not versions
+    if type(version) is not int or not 1 <= version <= IR_VERSION:
         raise IRError(
-            f'unsupported IR version {version!r}; this kiln reads "kiln_ir": {IR_VERSION}',
+            f'unsupported IR version {version!r}; this kiln reads "kiln_ir": 1 to {IR_VERSION}',
             code="E001",
             hint="was this file written by a newer kiln?",
         )
+    while version < IR_VERSION:
+        data, version = _MIGRATIONS[version](data), version + 1
     tag = data.get("ir")
     if not isinstance(tag, str) or tag not in _IR_CLASSES:
         raise IRError(
@@ -294,6 +299,16 @@ def from_json(data: str | bytes | Mapping[str, Any]) -> Any:
         return _decode(_IR_CLASSES[tag], data)
     except RecursionError:
         raise IRError("IR JSON is nested too deeply", code="E001") from None
+
+
+def _from_v1(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Version 1 -> 2: version 2 adds annotations (``Module.annotations``, empty by default), so a
+    version 1 object reads as the same object with none."""
+    return {**data, "kiln_ir": 2}
+
+
+#: version n -> the function that turns a version-n JSON object into version n + 1
+_MIGRATIONS: dict[int, Callable[[Mapping[str, Any]], dict[str, Any]]] = {1: _from_v1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +483,24 @@ class ActivationLayout(_IRNode):
 
 
 @attrs.frozen
+class Annotation(_IRNode):
+    """A seed 004 §7 annotation: ``kind`` (``memory``, ``hook``, ``frozen``, ...) with its arguments
+    ``args``, attached to a tensor of the forward graph, a parameter or the whole module (``on``) by
+    name (``target``; empty for the module). ``loc`` is the ``file:line`` that wrote it."""
+
+    kind: str = field(converter=_str)
+    on: str = field(default="tensor", converter=_choice(ANNOTATION_TARGETS))
+    target: str = field(default="", converter=_str)
+    args: FrozenDict = field(factory=FrozenDict, converter=_frozen_dict)
+    loc: str | None = field(default=None, converter=_opt(_str))
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={json.dumps(thaw(v))}" for k, v in self.args.items())
+        where = f"{self.on} {self.target}" if self.target else self.on
+        return f"{where} @{self.kind}" + (f"({args})" if args else "")
+
+
+@attrs.frozen
 class Module(_IRNode):
     """A compiled module, block or model: config, params, forward graph, activation layout, HF data."""
 
@@ -482,9 +515,15 @@ class Module(_IRNode):
     hf_mappings: FrozenDict = field(factory=FrozenDict, converter=_frozen_dict)
     hf_export: FrozenDict = field(factory=FrozenDict, converter=_frozen_dict)
     metadata: FrozenDict = field(factory=FrozenDict, converter=_frozen_dict)
+    #: seed 004 §7 annotations of the module, its parameters and its forward graph's tensors
+    annotations: tuple[Annotation, ...] = field(default=(), converter=_tuple_of(Annotation))
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
+
+    def annotated(self, kind: str, on: str | None = None) -> tuple[Annotation, ...]:
+        """The annotations of ``kind`` (on ``on``: tensor, param or module; None: any)."""
+        return tuple(a for a in self.annotations if a.kind == kind and (on is None or a.on == on))
 
     def hf_layers(self, stack: str, count: int) -> list[int] | None:
         """The HF layer of each of the ``count`` blocks of layer stack ``stack``, as its indexed HF
@@ -527,10 +566,12 @@ class Bundle(_IRNode):
 
 
 __all__ = [
+    "ANNOTATION_TARGETS",
     "DTYPES",
     "IR_VERSION",
     "ActivationLayout",
     "ActivationSlot",
+    "Annotation",
     "Bundle",
     "FrozenDict",
     "Graph",

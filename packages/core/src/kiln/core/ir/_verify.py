@@ -3,7 +3,6 @@ a window of the surrounding ops."""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -261,6 +260,31 @@ def _find_cycle(graph: Graph, producers: Mapping[str, int]) -> list[int]:
     return []
 
 
+def _check_annotations(module: Module) -> list[Diagnostic]:
+    """E002 for an annotation (seed 004 §7) whose target is not in ``module``: a tensor of its forward
+    graph, one of its parameters, or (``on="module"``) the module itself (``""``) or the prefix of an
+    inlined submodule's tensors or parameters."""
+    g = module.forward
+    tensors = set() if g is None else {
+        *(d.name for d in (*g.inputs, *g.outputs, *g.params, *g.intermediates)),
+        *(o for op in g.ops for o in op.outputs if o)}
+    params = {p.name for p in module.params}
+    out = []
+    for a in module.annotations:
+        if a.on == "tensor":
+            ok, what = a.target in tensors, f"a tensor of {module.name}'s forward graph"
+        elif a.on == "param":
+            ok, what = a.target in params, f"a parameter of {module.name}"
+        else:
+            ok = a.target == "" or any(n.startswith(a.target + ".") for n in (*tensors, *params))
+            what = f"{module.name} ('') or the prefix of one of its inlined submodules"
+        if not ok:
+            out.append(Diagnostic("E002", f"@{a.kind} on {a.on} {a.target!r}: not {what}",
+                                  hint="annotate a name the module defines", location=a.loc or
+                                  f"module {module.name!r}"))
+    return out
+
+
 def diagnostics(
     obj: Graph | Module | Bundle, *, registry: Any = None, modules: Mapping[str, Module] | None = None
 ) -> list[Diagnostic]:
@@ -288,6 +312,7 @@ def diagnostics(
         for g in (obj.forward, obj.backward):
             if g is not None:
                 out.extend(check_graph(g, registry, modules))
+        out.extend(_check_annotations(obj))
         if obj.forward is not None and obj.backward is not None:  # an explicit backward graph
             frozen = [p.name for p in obj.params if p.frozen]
             out.extend(
@@ -312,12 +337,28 @@ def verify(
         raise IRError(f"{what} {name!r} failed verification with {len(errors)} error(s)", diagnostics=errors)
 
 
-#: Tensors whose names match these patterns never get gradients, whatever their declared dtype.
-NONDIFF_PATTERNS = ("*_ids", "*indices", "*_idx", "*offsets", "targets", "labels", "*mask")
-
-
-def _nondiff_name(name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in NONDIFF_PATTERNS)
+def nondiff_tensors(graph: Graph, registry: Any = None,
+                    modules: Mapping[str, Module] | None = None) -> frozenset[str]:
+    """Tensors of ``graph`` no op passes a gradient to, whatever their name and dtype: every op that
+    reads one reads it at an input its ``nondiff_inputs`` trait lists (token ids, indices, offsets, a
+    mask, ``rope``'s frequency table), or, for a ``call``, at a block input the block itself reads only
+    so. A tensor another op reads at a differentiable input is differentiable."""
+    if registry is None:
+        registry = _ops()
+    modules = modules or {}
+    readers: dict[str, list[bool]] = {}
+    for op in graph.ops:
+        if op.type == "call":
+            callee = modules.get(str(op.attrs.get("module")))
+            g = callee.forward if callee is not None else None
+            inner = nondiff_tensors(g, registry, modules) if g is not None else frozenset()
+            nd = {k for k, d in enumerate(g.inputs) if d.name in inner} if g is not None else set()
+        else:
+            nd = set(registry.get_op(op.type).nondiff_inputs) if op.type in registry else set()
+        for k, name in enumerate(op.inputs):
+            if name:
+                readers.setdefault(name, []).append(k in nd)
+    return frozenset(n for n, r in readers.items() if all(r))
 
 
 def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
@@ -327,7 +368,7 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
 
     ``saved.x`` must name a tensor in ``saves`` or in the forward's ``recompute`` list. Every float
     parameter not in ``stop_gradients`` needs its gradient; with ``inputs``, every float input too
-    (except those :data:`NONDIFF_PATTERNS` match).
+    (except those no op passes a gradient to, :func:`nondiff_tensors`).
     """
     if registry is None:
         registry = _ops()
@@ -356,7 +397,8 @@ def check_backward(forward: Graph, backward: Graph, saves: Sequence[str], *,
                    for n in saves if n in fwd_types]
     bwd_types = infer_types(backward.evolve(inputs=(*backward.inputs, *saved_decls)), registry)
     leaves = [("parameter", d) for d in forward.params]
-    leaves += [("input", d) for d in forward.inputs if inputs and not _nondiff_name(d.name)]
+    nondiff = nondiff_tensors(forward, registry) if inputs else frozenset()
+    leaves += [("input", d) for d in forward.inputs if inputs and d.name not in nondiff]
     for kind, d in leaves:
         if d.name in stop_gradients or not is_float(d.dtype):
             continue

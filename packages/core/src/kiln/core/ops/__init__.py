@@ -14,6 +14,9 @@ from kiln.core.ops._ops import (
     no_gradient,
     numpy_dtype,
 )
+from kiln.core.ops.library._attention import check_rotary_dim, rope_tables
+from kiln.core.ops.library._loss import FUSED_LOGITS_TILE, loss_targets
+from kiln.core.ops.library._rope_freqs import ROPE_TYPES, rope_freqs_table, rope_inv_freq
 
 
 def op_registry() -> OpRegistry:
@@ -37,6 +40,8 @@ def register_backward_rule(op_type: str, rule: Callable[[BackwardContext], Seque
 
 
 __all__ = [
+    "FUSED_LOGITS_TILE",
+    "ROPE_TYPES",
     "AttrSpec",
     "BackwardContext",
     "Cost",
@@ -44,10 +49,15 @@ __all__ = [
     "OpDef",
     "OpRegistry",
     "Sample",
+    "check_rotary_dim",
     "infer_types",
+    "loss_targets",
     "no_gradient",
     "numpy_dtype",
     "op_registry",
     "register_backward_rule",
     "register_op",
+    "rope_freqs_table",
+    "rope_inv_freq",
+    "rope_tables",
 ]

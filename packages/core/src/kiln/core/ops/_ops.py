@@ -108,6 +108,9 @@ class Cost:
     bytes: float = 0.0
 
 
+_AUTOCAST = attrs.validators.in_(("", "lower", "fp32", "promote"))
+
+
 @attrs.frozen
 class OpDef:
     """One op type. ``inputs``/``outputs`` are names; ``"bias?"`` marks an optional input and
@@ -138,6 +141,15 @@ class OpDef:
     #: residual + rmsnorm's normalized output is ``rmsnorm_apply_saved`` of its kept sum and rstd
     variants: tuple[tuple[str, Mapping[str, str], Mapping[str, str]], ...] = field(default=(),
                                                                                 converter=_tuple)
+    #: where a lower-precision recipe (``bf16``) computes the op, as autocast does: ``lower`` (its float
+    #: inputs rounded to bf16, fp32 accumulation, its first output bf16), ``fp32`` (inputs read as
+    #: fp32, outputs fp32: norms, softmax, losses) or ``promote`` (outputs bf16 when every float
+    #: input is, else fp32); "" derives it: ``lower`` for a ``flop_heavy`` op, else ``promote``
+    autocast: str = field(default="", validator=_AUTOCAST)
+    #: an LM-head loss op's logits: the op type ``Model.logits`` puts in its place, reading its first
+    #: two inputs (``x``, the head's weight) with the attributes that op takes (as ``fused_lm_head_loss``
+    #: becomes a ``matmul``; kiln-dist's vocabulary-parallel loss, its gathered logits)
+    logits: str | None = None
     doc: str = ""
 
     @property
@@ -147,6 +159,12 @@ class OpDef:
     @property
     def variadic_outputs(self) -> bool:
         return bool(self.outputs) and self.outputs[-1].startswith("*")
+
+    @property
+    def default_outputs(self) -> int:
+        """How many outputs the op has when a caller gives no count: its fixed ones (``("y", "*state")``
+        emits ``y`` alone; a wholly variadic ``("*parts",)`` one)."""
+        return max(1, len(self.outputs) - 1) if self.variadic_outputs else len(self.outputs)
 
     def arity_ok(self, n_in: int, n_out: int) -> str | None:
         """None if ``n_in``/``n_out`` fit the schema, else what was expected."""
@@ -323,7 +341,7 @@ class BackwardContext:
              **attrs: Any) -> Any:
         """Append a backward op; returns its output name (or a tuple of names if it has several)."""
         opdef = self._registry.get_op(op_type)
-        count = n_out if n_out is not None else len(opdef.outputs)
+        count = n_out if n_out is not None else opdef.default_outputs
         base = name or f"{op_type}"
         outs = tuple(self._namer(f"{base}.{k}" if count > 1 else base) for k in range(count))
         op = Op(op_type, tuple(i or "" for i in inputs), outs,

@@ -4,6 +4,7 @@ Program's optimizer phase."""
 
 from kiln.core.plan._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup, make_optimizer
 from kiln.core.plan._passes import GRAPH_STAGES, PLUGIN_STAGES, GraphPass, PassRun, run_passes
+from kiln.core.plan._precision import RECIPES, Precision, precision_recipe, require_ml_dtypes
 from kiln.core.plan._program import (
     PHASES,
     Fusion,
@@ -23,6 +24,7 @@ __all__ = [
     "HF_TRAINER_GROUPS",
     "PHASES",
     "PLUGIN_STAGES",
+    "RECIPES",
     "SGD",
     "AdamW",
     "Fusion",
@@ -31,6 +33,7 @@ __all__ = [
     "ParamGroup",
     "ParamInfo",
     "PassRun",
+    "Precision",
     "Program",
     "RecomputePlan",
     "Slot",
@@ -40,5 +43,7 @@ __all__ = [
     "compile",
     "make_optimizer",
     "measure",
+    "precision_recipe",
+    "require_ml_dtypes",
     "run_passes",
 ]

@@ -8,6 +8,7 @@ Lowering (seed 004 §9.7.3) is three passes, each a function of the previous res
    (``blocks.3.attn.qkv`` for block tensor ``attn.qkv`` of layer 3) with a concrete shape;
 2. **lifetimes**: each tensor's first and last step; views and reshapes join the slot of their
    input (free), and an op whose ``out=`` kernel allows it writes over an input that dies there;
+   ``@lifetime`` keeps a buffer longer (:mod:`kiln.core.plan._lifetime`);
 3. **placement**: weights, gradients and optimizer state first, at offsets that depend on the
    model only (every Program of a model shares them), then the inputs, then every other slot
    packed by lifetime (greedy by size, first fit).
@@ -34,8 +35,19 @@ from kiln.core.autodiff._autodiff import DeriveBackwardOptions, derive_backward
 from kiln.core.ir._dims import dim_bindings, evaluate_shape, parse_dim
 from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, _strs, is_float
 from kiln.core.ops._ops import Cost, InferContext, OpRegistry
+from kiln.core.plan._calibrate import Probe
+from kiln.core.plan._lifetime import lifetime_spans
 from kiln.core.plan._optim import Optimizer, make_optimizer
 from kiln.core.plan._passes import PassRun, PassSpec, run_passes
+from kiln.core.plan._precision import (
+    FP32_RECIPE,
+    RECIPES,
+    Override,
+    Precision,
+    precision_overrides,
+    precision_recipe,
+    with_overrides,
+)
 from kiln.core.plan.recompute import (
     BlockContext,
     BlockPlan,
@@ -71,13 +83,16 @@ def _align(n: int) -> int:
 
 @attrs.frozen
 class Tensor:
-    """A tensor of a Program: concrete shape, NumPy dtype, and where it lives in the arena."""
+    """A tensor of a Program: concrete shape, NumPy dtype, and where it lives: at ``offset`` in the
+    arena, or in the host pool (``pool="host"``: an offloaded activation's copy, outside the device
+    peak)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     slot: str
     offset: int
+    pool: str = "arena"
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +104,7 @@ class Slot:
     """A range of the arena and the tensors that use it in turn (or share it, as views)."""
 
     name: str
-    kind: str  # weight | gradient | optimizer_state | input | output | saved | transient
+    kind: str  # weight | gradient | optimizer_state | input | output | saved | transient | host | workspace
     nbytes: int
     offset: int
     first: int
@@ -102,8 +117,10 @@ class Step:
     """One scheduled op. ``how``: ``kernel`` (the kernel returns its results, copied into the slots),
     ``out`` (an ``out=`` kernel writes the slots), ``alias`` (nothing to run: the output shares its
     input's storage), ``copy`` (a view that must land in its own slot), ``optimizer`` (an update in
-    place, with the step's run-time scalars: an optimizer update, or a collective of a SyncPlan).
-    ``recompute``: a forward op replayed in the backward (its outputs are ``<key>:recompute``)."""
+    place, with the step's run-time scalars: an optimizer update, or a collective of a SyncPlan),
+    ``offload`` (a forward copy of an activation to its host-pool tensor), ``fetch`` (a backward copy
+    of it back to the device). ``recompute``: a forward op replayed in the backward (its outputs are
+    ``<key>:recompute``)."""
 
     index: int
     phase: str
@@ -143,6 +160,8 @@ class SyncPlan:
 
     - ``grad_sync``: run after the backward; an input that names a trained parameter reads its
       gradient (an all-reduce of a bucket of gradients; ZeRO-1: a reduce-scatter to their owners);
+    - ``in_backward``: run in the backward, each right after the last step that writes a gradient
+      it reads (a bucket's non-blocking all-reduce starts there, and a ``grad_sync`` op waits for it);
     - ``owned``: the trained parameters whose update and optimizer state this rank holds (None: all);
     - ``norm``: the tensors the global gradient norm is taken over (None: every gradient; ZeRO-1: a
       tensor of ``outputs`` that a ``grad_sync`` op fills with the norm over every rank's share);
@@ -151,6 +170,7 @@ class SyncPlan:
     """
 
     grad_sync: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
+    in_backward: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
     owned: frozenset[str] | None = None
     norm: tuple[str, ...] | None = None
     after_update: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
@@ -192,12 +212,23 @@ class Program:
     passes: tuple[PassRun, ...]  # every pass compile ran: stage, name, seconds
     fusions: tuple[Fusion, ...] = ()
     optimizer: Optimizer | None = None
+    #: bytes of the host pool, where offloaded activations wait for the backward (not in the arena)
+    host_bytes: int = 0
+    #: the precision recipe the Program follows (``fp32``, ``bf16``): what a backend honours
+    precision: Precision = FP32_RECIPE
+    #: the tensors whose values the recipe rounds to ``precision.low`` when they are written (stored
+    #: in that type, ``Tensor.dtype``, unless their slot is a fp32 one: a gradient)
+    rounded: frozenset[str] = frozenset()
+    #: steps whose op an ``@precision``/``@dtype`` annotation moves off the recipe, by their first
+    #: output key: ``"bf16"`` (float inputs rounded to bf16) or ``"fp32"`` (read as fp32)
+    computes: FrozenDict = attrs.field(factory=FrozenDict)
 
     def phase(self, name: str) -> tuple[Step, ...]:
         return tuple(s for s in self.steps if s.phase == name)
 
     def memory_report(self) -> dict[str, Any]:
-        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena."""
+        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena. ``host``: the host
+        pool of offloaded activations, outside the peak."""
         by_kind = {k: 0 for k in ("weight", "gradient", "optimizer_state", "input", "output", "saved")}
         for s in self.slots:
             if s.kind in by_kind:
@@ -208,7 +239,7 @@ class Program:
             "optimizer_state": by_kind["optimizer_state"], "inputs": by_kind["input"],
             "outputs": by_kind["output"],
             "saved_activations": by_kind["saved"], "transient": self.arena_bytes - fixed,
-            "peak": self.arena_bytes,
+            "peak": self.arena_bytes, "host": self.host_bytes,
             "slots": [{"name": s.name, "kind": s.kind, "bytes": s.nbytes, "offset": s.offset,
                        "lifetime": (s.first, s.last), "tensors": list(s.tensors)} for s in self.slots],
         }
@@ -225,6 +256,9 @@ class Program:
                 extra = (f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} "
                          "without recompute)")
             rows.append(f"{k:<18} {_size(report[k]):>12}{extra}")
+        n = sum(1 for sl in self.slots if sl.kind == "host")
+        rows.append(f"{'host':<18} {_size(report['host']):>12}  (pool of {n} offloaded tensors, outside the "
+                    "peak)")
         if plan.budget is not None:
             act = report["saved_activations"] + report["transient"]
             rows.append(f"saved activations {_size(report['saved_activations'])} within the budget of "
@@ -311,12 +345,14 @@ class Target:
     kernels: Any
     optimizer: Optimizer | None
     dtype: str = "float32"
+    precision: Precision = FP32_RECIPE
 
     @classmethod
     def of(cls, backend: Any = "numpy", optimizer: Any = "adamw", dtype: str = "float32",
-           kernels: Any = None) -> Target:
+           kernels: Any = None, precision: Any = "fp32") -> Target:
         """Backend, kernel table and optimizer looked up in the current plugin session when given by name
-        (an optimizer may also be a dict ``{"name": ..., **settings}``)."""
+        (an optimizer may also be a dict ``{"name": ..., **settings}``); ``precision``: a recipe
+        (``"fp32"``, ``"bf16"``) the backend runs (its ``precisions``; ``fp32`` only if it has none)."""
         from kiln.core.plugins._session import get_registry
 
         if isinstance(backend, str):
@@ -327,7 +363,13 @@ class Target:
                             f"{', '.join(map(repr, valid))}")
         opt = make_optimizer(get_registry("optimizers"), optimizer) if not (
             optimizer is None or isinstance(optimizer, Optimizer)) else optimizer
-        return cls(backend, kernels if kernels is not None else get_registry("kernels"), opt, dtype)
+        name = precision.name if isinstance(precision, Precision) else precision or "fp32"
+        runs = tuple(getattr(backend, "precisions", ("fp32",)))
+        if name in RECIPES and name not in runs:
+            raise KilnError(f"backend {backend.name!r} does not run the {name!r} precision recipe; it "
+                            f"runs {', '.join(map(repr, runs))}")
+        recipe = precision_recipe(precision, dtype)
+        return cls(backend, kernels if kernels is not None else get_registry("kernels"), opt, dtype, recipe)
 
 
 def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend: Any = "numpy",
@@ -335,7 +377,8 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
             recompute_options: Mapping[str, Any] | None = None, memory_budget: int | None = None,
             modules: Mapping[str, Module] | None = None, task: str = "train", optimizer: Any = "adamw",
             dtype: str = "float32", registry: OpRegistry | None = None, kernels: Any = None,
-            passes: Sequence[PassSpec] = (), sync: SyncPlan | None = None) -> Program:
+            passes: Sequence[PassSpec] = (), sync: SyncPlan | None = None,
+            precision: Any = "fp32") -> Program:
     """Lower a model to a :class:`Program` for one shape binding (``{"B": batch, "T": seq}``), planned
     for ``backend`` (a registered name or a backend object): every op runs the kernel the kernel table
     has for it there (an op without one is an error naming both), and fusions the backend implements
@@ -355,10 +398,12 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     by stage (``adapt``, then ``shard``); every pass run is recorded in ``Program.passes``.
     ``sync``: one data-parallel rank's :class:`SyncPlan` (its collectives, visible as steps of the
     ``grad_sync`` and ``optimizer`` phases; its share of the optimizer state).
+    ``precision``: the precision recipe, ``"fp32"`` or ``"bf16"`` (:mod:`kiln.core.plan._precision`):
+    bf16 activations are planned at 2 bytes an element (``Program.precision``, ``Program.rounded``).
     """
     _choice("mode", mode, TRAINING_MODES)
     _choice("task", task, TASKS)
-    target = Target.of(backend, optimizer, dtype, kernels)
+    target = Target.of(backend, optimizer, dtype, kernels, precision)
     runs: list[PassRun] = []
     if passes:
         from kiln.core.plugins._session import get_registry
@@ -375,12 +420,38 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     if task == "train":
         plan = plan_recompute(s.plan_context(), recompute, budget=recompute_budget,
                               options={"measure": _measure(s), **(recompute_options or {})})
+    if any(b.offloaded for b in plan.blocks) and "host_offload" not in getattr(target.backend, "capabilities",
+                                                                                 ()):
+        raise KilnError(f"the recompute plan offloads activations to the host, which backend "
+                        f"{target.backend.name!r} does not implement (capability 'host_offload')",
+                        hint="use recompute='none', 'dsl' without offload hints, 'auto' or 'block' there")
     s.schedule_rest(task, plan)
     t1 = time.perf_counter()
     slots, tensors, persistent, arena = _place(s)
     fusions = _fusions(s, tensors) if task == "train" else ()
     t2 = time.perf_counter()
-    program = Program(
+    program = _program(s, model, target, task, mode, dtype, plan, runs, slots, tensors, persistent, arena,
+                       fusions, (t0, t1, t2))
+    # the backend's kernel temporaries per step (optional ``Backend.workspace_bytes``): placed in the arena
+    # as slots live during their step alone, so the planned peak is what the backend allocates
+    sizing = getattr(target.backend, "workspace_bytes", None)
+    need = {int(i): int(n) for i, n in (sizing(program, target.kernels) if sizing else {}).items() if n > 0}
+    if need:
+        slots, tensors, persistent, arena = _place(s, need)
+        fusions = _fusions(s, tensors) if task == "train" else ()
+        program = _program(s, model, target, task, mode, dtype, plan, runs, slots, tensors, persistent, arena,
+                           fusions, (t0, t1, t2))
+    if memory_budget is not None and arena > memory_budget:
+        raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
+                        hint="recompute='block' or recompute='auto' trade compute for memory")
+    return program
+
+
+def _program(s: _Scheduler, model: Module, target: Target, task: str, mode: str, dtype: str,
+             plan: RecomputePlan, runs: list[PassRun], slots: list[Slot], tensors: dict[str, Tensor],
+             persistent: int, arena: int, fusions: Any, times: tuple[float, float, float]) -> Program:
+    t0, t1, t2 = times
+    return Program(
         name=model.name, backend=target.backend.name, task=task, mode=mode, dtype=dtype,
         bindings=FrozenDict(s.binds), steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots),
         params=tuple(s.param_infos()), persistent_bytes=persistent, arena_bytes=arena,
@@ -389,11 +460,10 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
                 PassRun("recompute", plan.planner or plan.mode, plan.seconds),
                 PassRun("memory", "place", t2 - t1)),
         fusions=fusions, optimizer=target.optimizer if task == "train" else None,
+        host_bytes=sum(sl.nbytes for sl in slots if sl.kind == "host"),
+        precision=s.target.precision, rounded=frozenset(k for k in s.low if k in tensors),
+        computes=FrozenDict({k: v for k, v in s.computes.items() if k in tensors}),
     )
-    if memory_budget is not None and arena > memory_budget:
-        raise KilnError(f"the planned peak of {arena} bytes exceeds memory_budget={memory_budget}",
-                        hint="recompute='block' or recompute='auto' trade compute for memory")
-    return program
 
 
 def _as_bundle(module_ir: Bundle | Module, modules: Mapping[str, Module] | None) -> Bundle:
@@ -415,24 +485,26 @@ def _binds(model: Module, bindings: Mapping[str, int]) -> dict[str, int]:
 
 
 def _context(module_ir: Bundle | Module, *, bindings: Mapping[str, int], mode: str,
-             modules: Mapping[str, Module] | None, dtype: str, registry: OpRegistry | None) -> PlanContext:
+             modules: Mapping[str, Module] | None, dtype: str, registry: OpRegistry | None,
+             precision: Any = "fp32") -> PlanContext:
     _choice("mode", mode, TRAINING_MODES)
     model, mods = _resolve(module_ir, modules)
-    s = _Scheduler(model, mods, _ops_registry(registry), Target.of(dtype=dtype), _binds(model, bindings),
-                   mode)
+    s = _Scheduler(model, mods, _ops_registry(registry), Target.of(dtype=dtype, precision=precision),
+                   _binds(model, bindings), mode)
     s.schedule_forward("train")
     return s.plan_context()
 
 
 def measure(module_ir: Bundle | Module, bindings: Mapping[str, int], mode: str = "full", *,
             modules: Mapping[str, Module] | None = None, dtype: str = "float32",
-            optimizer: Any = "adamw", backend: Any = "numpy") -> Callable[[RecomputePlan], int]:
+            optimizer: Any = "adamw", backend: Any = "numpy",
+            precision: Any = "fp32") -> Callable[[RecomputePlan], int]:
     """plan -> the activation peak (arena minus weights, gradients, optimizer state, inputs and outputs)
-    of the training Program compiled with that plan."""
+    of the training Program compiled with that plan (under the ``precision`` recipe)."""
     _choice("mode", mode, TRAINING_MODES)
     model, mods = _resolve(module_ir, modules)
-    s = _Scheduler(model, mods, _ops_registry(None), Target.of(backend, optimizer, dtype),
-                   _binds(model, bindings), mode)
+    target = Target.of(backend, optimizer, dtype, precision=precision)
+    s = _Scheduler(model, mods, _ops_registry(None), target, _binds(model, bindings), mode)
     s.schedule_forward("train")
     return _measure(s)
 
@@ -488,6 +560,22 @@ class _Scheduler:
         self._added: dict[Any, Any] = {}
         self.plan = RecomputePlan()
         self.shared: dict[tuple[str, str, str], list[str]] = {}  # (block, stack, tensor) -> each layer's copy
+        self.host: dict[str, str] = {}  # offloaded key -> its host-pool copy
+        self.low: set[str] = set()  # keys whose values the precision recipe rounds to its low type
+        #: @precision/@dtype per (module, tensor), and per first output key the compute they chose
+        self.overrides = precision_overrides((model, *modules.values()))
+        self.computes: dict[str, str] = {}
+        self._stacks = {f"{p.name}.": p.array_of for p in model.params if p.array_of}
+        casts = any(str(o.attrs.get("dtype", "")) == "bf16" for m in (model, *modules.values())
+                    if m.forward is not None for o in m.forward.ops)  # an explicit cast to bf16
+        if self.overrides or casts:
+            recipe = with_overrides(target.precision, self.overrides, target.dtype, casts)
+            if recipe.lowers and "bf16" not in tuple(getattr(target.backend, "precisions", ("fp32",))):
+                where = next((o.where for o in self.overrides.values() if o.low), "a cast to bf16")
+                raise KilnError(f"@precision/@dtype on {where} asks for bf16, which backend "
+                                f"{getattr(target.backend, 'name', target.backend)!r} does not run",
+                                hint="run the model on the numpy backend, or drop the annotation")
+            self.target = attrs.evolve(target, precision=recipe)
         for key, _, shape, _ in self.params:
             self.types[key] = (shape, "fp32")
             self.kinds[key] = "weight"
@@ -502,7 +590,8 @@ class _Scheduler:
     def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
             layer: int | None = None, recompute: bool = False) -> None:
         in_types = tuple(self.types[k] if k else None for k in ins)
-        memo = (op, in_types, tuple(sorted(binds.items())))  # a block op runs per layer (and per trial plan)
+        override = self.override(op, outs, layer, phase, recompute)
+        memo = (op, in_types, tuple(sorted(binds.items())), override)  # a block op runs per layer
         if memo not in self._added:
             opdef = self.registry.get_op(op.type)
             resolved = opdef.resolve_attrs(op.attrs)
@@ -523,13 +612,26 @@ class _Scheduler:
             if opdef.alias:
                 how, kernel = "alias", ""
             else:
-                found = self.kernel(opdef)
+                found = self.kernel(opdef, override)
                 how, kernel = ("out" if found.out else "kernel"), found.key
             self._added[memo] = (inferred, kattrs, how, kernel)
         inferred, kattrs, how, kernel = self._added[memo]
         for k, t in zip(outs, inferred, strict=True):
             if k:
                 self.types[k] = t
+        if self.target.precision.lowers:
+            floats = [None if t is None or not is_float(t[1]) else k in self.low
+                      for k, t in zip(ins, in_types, strict=True)]
+            low = self.target.precision.rounded_outputs(self.registry.get_op(op.type), floats,
+                                                        [is_float(t[1]) for t in inferred], override)
+            typed = {t[1] for t in in_types if t is not None}
+            # an op whose type rule makes bf16 of non-bf16 inputs (an explicit cast) writes bf16 values
+            low = tuple(r or (t[1] == "bf16" and "bf16" not in typed)
+                        for r, t in zip(low, inferred, strict=True))
+            self.low.update(k for k, r in zip(outs, low, strict=True) if k and r)
+            if override is not None:  # where it computes: "bf16" (inputs rounded) or "fp32"
+                low_in = self.target.precision.rounds_inputs(self.registry.get_op(op.type), override)
+                self.computes[next(k for k in outs if k)] = "bf16" if low_in else "fp32"
         self.steps.append(Step(len(self.steps), phase, op, layer, tuple(ins), tuple(outs), how, kattrs,
                                recompute, kernel))
 
@@ -553,7 +655,7 @@ class _Scheduler:
         graph = self.model.forward
         assert graph is not None
         if task == "logits":
-            graph = _logits_graph(graph)
+            graph = _logits_graph(graph, self.registry)
         self.graph = graph
         env: dict[str, str] = {}
         used = {i for op in graph.ops for i in op.inputs}
@@ -582,12 +684,14 @@ class _Scheduler:
         new = copy.copy(self)
         new.steps, new.types, new.kinds = list(self.steps), dict(self.types), dict(self.kinds)
         new.grads = dict(self.grads)
-        new.shared = {}
+        new.shared, new.host = {}, {}
+        new.low = set(self.low)
         return new
 
     def schedule_rest(self, task: str, plan: RecomputePlan) -> None:
         self.plan = plan
         if task == "train":
+            self.offload_steps()
             self.backward(self.graph, self.env)
         # gradients and optimizer state exist for every task, so that all Programs share one layout
         for key, _, shape, _ in self.params:
@@ -601,6 +705,7 @@ class _Scheduler:
             return
         for name in self.sync.outputs:
             self.types[name], self.kinds[name] = ((1,), "fp32"), "output"
+        self.sync_in_backward()
         for op in self.sync.grad_sync:
             self.add_update(attrs.evolve(op, inputs=[self.grads.get(i, i) for i in op.inputs]), op.attrs,
                             "grad_sync")
@@ -609,9 +714,37 @@ class _Scheduler:
 
     # -- what the recompute planner sees
 
+    def slot_sharing(self) -> list[tuple[list[str], list[str], str]]:
+        """Per layer of every stack, (keys of a slot, keys of the slot it ``shares_with``, what to call the
+        pair): the slot and its aliases, as the layer names them."""
+        out = []
+        for call in self.calls.values():
+            layout = call.callee.activations
+            for sl in layout.slots:
+                if not sl.shares_with:
+                    continue
+                other = layout.get(sl.shares_with)
+                if other is None:
+                    raise KilnError(f"block {call.callee.name!r}: slot {sl.name!r} shares_with "
+                                    f"{sl.shares_with!r}, which is not a slot of the block", code="E002")
+                for i in range(call.first, call.first + len(call.layers)):
+                    pre = f"{call.prefix}.{i}."
+                    out.append(([pre + n for n in (sl.name, *sl.aliases)],
+                                [pre + n for n in (other.name, *other.aliases)],
+                                f"block {call.callee.name!r}, layer {i}: slot {sl.name!r} shares_with "
+                                f"{other.name!r}"))
+        return out
+
     def nbytes(self, key: str) -> int:
-        shape, dt = self.types[key]
-        return _align(math.prod(shape) * ITEMSIZE[self.np_dtype(dt)])
+        shape, _ = self.types[key]
+        return _align(math.prod(shape) * ITEMSIZE[self.storage(key)])
+
+    def storage(self, key: str) -> str:
+        """The dtype ``key`` is stored in: the recipe's low type for a rounded tensor outside the fp32
+        slots (weights, gradients, optimizer state, inputs), else its float (or integer) type."""
+        if key in self.low and self.kinds.get(key) in (None, "output"):
+            return str(self.target.precision.low)
+        return self.np_dtype(self.types[key][1])
 
     def derived(self, graph: Graph, opts: DeriveBackwardOptions) -> Any:
         """The backward of ``graph``: its module's explicit ``backward`` (validated, and checked against
@@ -660,8 +793,10 @@ class _Scheduler:
             runs = call.prefix in self.differentiated()
             saves = self.derived(g, self.block_options(call)).saves if runs else ()
             carries = tuple((o.name, i.name) for o, i in zip(g.outputs, g.inputs, strict=False))
+            probes = tuple(Probe.of(self.steps[i], self.probe_type, c)
+                           for i, c in zip(call.first_steps, costs, strict=True))
             blocks[call.callee.name] = BlockContext(call.callee, len(call.layers), saves, FrozenDict(sizes),
-                                                    tuple(costs), carries)
+                                                    tuple(costs), carries, probes)
         fixed = 0
         if self.task == "train":
             root: dict[str, str] = {}
@@ -675,7 +810,12 @@ class _Scheduler:
             stacks = {root.get(k, k) for k in call_keys}  # the blocks' plans count these (a view's storage)
             fixed = sum(self.nbytes(k) for k in keys - stacks if k not in self.kinds)
         return PlanContext(self.model, tuple(blocks.values()), self.mode, self.registry, fixed,
-                           frozenset(self.env), tuple(chain))
+                           frozenset(self.env), tuple(chain), self.target)
+
+    def probe_type(self, key: str) -> tuple[tuple[int, ...], str]:
+        """A tensor key's (shape, NumPy dtype), as the measured cost model times it."""
+        shape, ir_dtype = self.types[key]
+        return shape, self.np_dtype(ir_dtype)
 
     def layer_index(self, call: _Call, layer: int) -> int:
         """The position of ``call``'s stack layer ``layer`` among the model's block layers in forward
@@ -790,6 +930,45 @@ class _Scheduler:
             if name in self.trainable:
                 self.pin_grad(name, benv[g])
 
+    def offload_steps(self) -> None:
+        """Copy each offloaded tensor of every layer to its host-pool tensor (``<key>:host``) right after
+        the last forward step that reads its storage (or makes it), so its device slot ends there."""
+        want: set[str] = set()
+        for call in self.calls.values():
+            for i, lenv in enumerate(call.layers, call.first):
+                bp = self.plan.block(call.callee.name, self.layer_index(call, i))
+                if bp is not None:
+                    g = call.callee.forward
+                    assert g is not None
+                    views = {o for k, op in enumerate(g.ops) if self.registry.get_op(op.type).alias
+                             for o in op.outputs}
+                    want.update(lenv[n] for n in bp.offloaded if n not in views)
+        if not want:
+            return
+        root: dict[str, str] = {}
+        last: dict[str, int] = {}
+        for st in self.steps:
+            for o in st.outputs:
+                if o:
+                    root[o] = root.get(st.inputs[0], st.inputs[0]) if st.how == "alias" else o
+            for k in (*st.inputs, *st.outputs):
+                if k and root.get(k, k) in want:
+                    last[root.get(k, k)] = st.index
+        after: dict[int, list[str]] = {}
+        for k in sorted(want):
+            after.setdefault(last[k], []).append(k)
+        steps: list[Step] = []
+        for st in self.steps:
+            steps.append(attrs.evolve(st, index=len(steps)))
+            for k in after.get(st.index, ()):
+                host = self.host[k] = f"{k}:host"
+                self.types[host] = self.types[k]
+                if k in self.low:  # the copy keeps the stored type (bf16 under that recipe)
+                    self.low.add(host)
+                steps.append(Step(len(steps), "forward", Op("copy", (k,), (host,)), st.layer, (k,), (host,),
+                                  "offload"))
+        self.steps = steps
+
     def read(self, name: str, benv: Mapping[str, str], env: Mapping[str, str]) -> str:
         if not name:
             return ""
@@ -825,16 +1004,30 @@ class _Scheduler:
         fed = {d.name for d in res.backward.inputs}
         d_chain = list(ins[:n_out])
         d_rest: list[str | None] = [None] * (len(g.inputs) - n_out)
-        for i in reversed(range(first, first + len(call.layers))):
+        layers = range(first, first + len(call.layers))
+        plans = {i: self.plan.block(callee.name, self.layer_index(call, i)) for i in layers}
+        stack: dict[int, _Replay] = {}
+        if any(bp is not None and bp.stack for bp in plans.values()):
+            # block granularity: every layer's replay, in forward order, before the stack's backward
+            for i in layers:
+                bp = plans[i]
+                if bp is None or not bp.stack:
+                    raise KilnError(f"stack {call.prefix!r}: block granularity needs every layer of the "
+                                    "stack to take the block plan")
+                stack[i] = _Replay(self, bp, call, i, stack.get(i - 1))
+                stack[i].all()
+        for i in reversed(layers):
             lenv = call.layers[i - first]
             e = {p + d.name: k for d, k in zip(g.outputs, d_chain, strict=True) if p + d.name in fed}
             pre = f"{call.prefix}.{i}."
-            bplan = self.plan.block(callee.name, self.layer_index(call, i))
-            rc = _Replay(self, bplan, call, i) if bplan is not None and bplan.recomputed else None
-            if rc is not None and bplan is not None and bplan.whole_block:
+            bplan = plans[i]
+            rc = stack.get(i) or (_Replay(self, bplan, call, i) if bplan is not None and (
+                bplan.recomputed or bplan.offloaded) else None)
+            if rc is not None and bplan is not None and bplan.whole_block and not stack:
                 rc.all()
             for bop in res.backward.ops:
-                bins = [rc.key(n[6:]) if rc is not None and n.startswith("saved.") and n[6:] in rc.recomputed
+                moved = rc.moved if rc is not None else set()
+                bins = [rc.source(n[6:], {}) if rc is not None and n.startswith("saved.") and n[6:] in moved
                         else self.read(n, e, lenv) for n in bop.inputs]
                 self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i)
             for d in g.params:
@@ -882,15 +1075,60 @@ class _Scheduler:
         for op in self.sync.after_update:
             self.add_update(op, op.attrs)
 
+    def sync_in_backward(self) -> None:
+        """Each op of ``SyncPlan.in_backward`` right after the last backward step that writes one of the
+        gradients it reads, in the order given where several follow one step."""
+        if not self.sync.in_backward:
+            return
+        last: dict[str, int] = {}
+        for st in self.steps:
+            if st.phase == "backward":
+                last.update((o, st.index) for o in st.outputs if o)
+        after: dict[int, list[Op]] = {}
+        for op in self.sync.in_backward:
+            ins = tuple(self.grads.get(i, i) for i in op.inputs)
+            at = max((last[k] for k in ins if k in last), default=len(self.steps) - 1)
+            after.setdefault(at, []).append(op.evolve(inputs=ins))
+        steps, self.steps = self.steps, []
+        for st in steps:
+            self.steps.append(attrs.evolve(st, index=len(self.steps)))
+            for op in after.get(st.index, ()):
+                self.add_update(op, op.attrs, "backward")
+
     def add_update(self, op: Op, attrs_: Mapping[str, Any], phase: str = "optimizer") -> None:
         """An op updating its inputs in place: an optimizer update, or a collective of a SyncPlan."""
         opdef = self.registry.get_op(op.type)
         self.steps.append(Step(len(self.steps), phase, op, None, op.inputs, (), "optimizer",
                                FrozenDict(opdef.resolve_attrs(attrs_)), kernel=self.kernel(opdef).key))
 
-    def kernel(self, opdef: Any) -> Any:
-        """The kernel the target backend runs for ``opdef`` (an error naming both if it has none)."""
-        return self.target.kernels.resolve(opdef, self.target.backend, self.target.dtype)
+    def kernel(self, opdef: Any, override: Override | None = None) -> Any:
+        """The kernel the target backend runs for ``opdef`` (an error naming both if it has none); under a
+        low-precision recipe its kernel for that type (``op@backend:bfloat16``) where it has one."""
+        recipe = self.target.precision
+        low = recipe.name != "fp32"
+        if override is not None and (override.compute or override.region) is not None:
+            low = (override.compute or override.region) == "bf16"
+        return self.target.kernels.resolve(opdef, self.target.backend,
+                                           (recipe.low if low else None) or self.target.dtype)
+
+    def override(self, op: Op, outs: Sequence[str], layer: int | None, phase: str,
+                 recompute: bool) -> Override | None:
+        """The ``@precision``/``@dtype`` override of a forward op (or its replay), found by the module
+        that computes it and its first output's name."""
+        if not self.overrides or not op.outputs or not (phase == "forward" or recompute):
+            return None
+        module = self.model.name
+        if layer is not None:
+            first = next((k for k in outs if k), "")
+            module = next((m for pre, m in self._stacks.items() if first.startswith(pre)), module)
+        name = op.outputs[0]
+        regions = [(pre, o) for (m, pre), o in self.overrides.items() if m == module and pre.startswith("@")
+                   and (pre == "@" or name.startswith(pre[1:] + "."))]
+        region = max(regions, key=lambda x: len(x[0]))[1] if regions else None  # the innermost module
+        own = self.overrides.get((module, name))
+        if own is None or region is None:
+            return own or region
+        return attrs.evolve(own, region=region.region)
 
 
 def _stack(op: Op) -> tuple[str, int]:
@@ -909,12 +1147,26 @@ def _kernel_dtype(dtype: str) -> Any:
 
 class _Replay:
     """The recompute ops of one layer, emitted on demand: right before the first backward step that
-    reads one of their outputs (after what they read themselves). Outputs are ``<key>:recompute``."""
+    reads one of their outputs (after what they read themselves). Outputs are ``<key>:recompute``.
+    An offloaded tensor is fetched from the host pool the same way, on first read (``<key>:fetch``;
+    a view of it is taken again from the fetched storage)."""
 
-    def __init__(self, s: _Scheduler, plan: BlockPlan, call: _Call, layer: int) -> None:
+    def __init__(self, s: _Scheduler, plan: BlockPlan, call: _Call, layer: int,
+                 before: _Replay | None = None) -> None:
         self.s, self.plan, self.call, self.layer = s, plan, call, layer  # layer: the stack's index
         self.lenv = call.layers[layer - call.first]
         self.recomputed = set(plan.recomputed)
+        # an offloaded storage and every view of it (a chain of views too) come back from the host
+        self.offloaded = set(plan.offloaded)
+        g = call.callee.forward
+        assert g is not None
+        for op in g.ops:
+            if op.inputs and op.inputs[0] in self.offloaded and s.registry.get_op(op.type).alias:
+                self.offloaded.add(op.outputs[0])
+        #: block granularity: the layer before's replay, whose outputs are this layer's carried inputs
+        self.before = before
+        self.carried = {i.name: o.name for i, o in zip(g.inputs, g.outputs, strict=False)} if before else {}
+        self.moved = self.recomputed | self.offloaded | set(self.carried)  # not read from the forward
         self.unit = {o: u for u, rop in reversed(list(enumerate(plan.ops))) for op in rop.replay
                      for o in op.outputs if o}
         self.keys: dict[str, str] = {}
@@ -935,7 +1187,36 @@ class _Replay:
             return ""
         if name in local:
             return local[name]
+        if self.before is not None and name in self.carried:  # replayed by the layer before, or kept there
+            out = self.carried[name]
+            return self.before.key(out) if out in self.before.unit else self.before.lenv[out]
+        if name in self.offloaded:
+            return self.fetch(name)
         return self.key(name) if name in self.recomputed else self.lenv[name]
+
+    def fetch(self, name: str) -> str:
+        """The device copy of offloaded ``name``: copied back from the host pool (a view: taken again)."""
+        if name not in self.keys:
+            g = self.call.callee.forward
+            assert g is not None
+            k = g.producers()[name]
+            op = g.ops[k]
+            pre = f"{self.call.prefix}.{self.layer}."
+            out = self.s.own([f"{name}:fetch"], {}, pre)[0]
+            if self.s.registry.get_op(op.type).alias:
+                ins = [self.source(i, {}) for i in op.inputs]
+                self.s.add("backward", op, ins, [out, *[""] * (len(op.outputs) - 1)], self.call.binds,
+                           self.layer)
+            else:
+                src = self.lenv[name]
+                self.s.types[out] = self.s.types[src]
+                host = self.s.host[src]
+                if host in self.s.low:
+                    self.s.low.add(out)
+                self.s.steps.append(Step(len(self.s.steps), "backward", Op("copy", (host,), (out,)),
+                                         self.layer, (host,), (out,), "fetch"))
+            self.keys[name] = out
+        return self.keys[name]
 
     def all(self) -> None:
         for u in range(len(self.plan.ops)):
@@ -962,14 +1243,21 @@ class _Replay:
         self.busy.discard(u)
 
 
-def _logits_graph(graph: Graph) -> Graph:
-    """The forward with its LM-head loss replaced by the logits ``x @ weight^T``, dead ops removed."""
+def _logits_graph(graph: Graph, registry: OpRegistry | None = None) -> Graph:
+    """The forward with its LM-head loss replaced by the logits ``x @ weight^T`` (or by the op its
+    :attr:`OpDef.logits` names), dead ops removed."""
     ops: list[Op] = []
     for op in graph.ops:
         if op.type == "fused_lm_head_loss":
             if op.attrs.get("softcap") is not None:
                 raise OpError("logits of a soft-capped LM head are not supported yet", op=op.type)
             ops.append(Op("matmul", op.inputs[:2], ("logits",), {"transpose": "NT"}, loc=op.loc))
+            break
+        head = registry.get_op(op.type).logits if registry is not None and op.type in registry else None
+        if head is not None:
+            takes = {a.name for a in registry.get_op(head).attrs} if registry is not None else set()
+            ops.append(Op(head, op.inputs[:2], ("logits",), {k: v for k, v in op.attrs.items() if k in takes},
+                          loc=op.loc))
             break
         ops.append(op)
     else:
@@ -1045,14 +1333,35 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
                    kernel.key),)
 
 
-def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
-    nbytes = {k: math.prod(shape) * ITEMSIZE[s.np_dtype(dt)] for k, (shape, dt) in s.types.items()}
+def _storage(s: _Scheduler) -> dict[str, str]:
+    """Each tensor's storage dtype (:meth:`_Scheduler.storage`); a view, and an offloaded tensor's host
+    and fetched copies, keep the dtype of the storage they come from."""
+    out = {k: s.storage(k) for k in s.types}
+    for st in s.steps:
+        if st.how in ("alias", "offload", "fetch") and st.inputs and st.inputs[0]:
+            for k in st.outputs:
+                if k and k not in s.kinds:
+                    out[k] = out[st.inputs[0]]
+    return out
+
+
+def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None
+           ) -> tuple[list[Slot], dict[str, Tensor], int, int]:
+    """The arena plan; ``workspace``: step index -> bytes of the backend's temporaries in that step, each
+    placed as a slot ``workspace.<index>`` (kind ``workspace``) live during its step alone."""
+    dtypes = _storage(s)
+    nbytes = {k: math.prod(shape) * ITEMSIZE[dtypes[k]] for k, (shape, _) in s.types.items()}
     steps = s.steps
     last: dict[str, int] = {}
     for st in steps:
         for k in st.inputs:
             if k:
                 last[k] = st.index
+    # @lifetime: buffers kept longer than their last reader (seed 004 §7.2.3)
+    replayed = {k.removesuffix(":recompute") for st in steps if st.recompute for k in st.outputs if k}
+    kept = lifetime_spans(steps, s.model, s.modules, s._stacks, replayed | set(s.host))
+    for k, (_, end) in kept.items():
+        last[k] = max(last.get(k, -1), end)
     shared = {k for keys in s.shared.values() for k in keys}
     root = {k: k for k in s.kinds}  # tensor -> the tensor whose slot it uses
     members = {k: [k] for k in s.kinds}
@@ -1091,6 +1400,10 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
                 members[r].append(out)
                 taken.add(r)
 
+    for k, (start, _) in kept.items():
+        if start is not None and root.get(k) in birth:
+            birth[root[k]] = min(birth[root[k]], 2 * start)
+
     # a recomputed slot whose share policy allows it: one buffer for the copies of every layer
     for keys in s.shared.values():
         head = root[keys[0]]
@@ -1102,6 +1415,24 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
                 root[m] = head
                 members[head].append(m)
             birth[head] = min(birth[head], birth.pop(r))
+
+    # a slot that shares_with another (seed 003 §10.1) is placed in that slot's storage, per layer
+    for mine, theirs, what in s.slot_sharing():
+        ra = next((root[k] for k in mine if k in root and root[k] in birth), None)
+        rx = next((root[k] for k in theirs if k in root and root[k] in birth), None)
+        if ra is None or rx is None or ra == rx:
+            continue
+        spans = [(birth[r], max([birth[r], *(2 * last[m] for m in members[r] if m in last)]))
+                 for r in (ra, rx)]
+        if spans[0][0] <= spans[1][1] and spans[1][0] <= spans[0][1]:
+            raise KilnError(f"{what}, but their lifetimes overlap (steps {spans[0][0] // 2}-"
+                            f"{spans[0][1] // 2} and {spans[1][0] // 2}-{spans[1][1] // 2}): one storage "
+                            "cannot hold both",
+                            code="E017", hint="drop shares_with, or share with a slot that is dead by then")
+        for m in members.pop(ra):
+            root[m] = rx
+            members[rx].append(m)
+        birth[rx] = min(birth[rx], birth.pop(ra))
 
     # fixed region: weights, gradients and optimizer state (the same for every Program of a model),
     # then the inputs and the output
@@ -1126,11 +1457,14 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
     base = offset
     fwd_end = max((st.index for st in steps if st.phase == "forward"), default=-1)
     intervals = []
+    hosted = set(s.host.values())
     for r, ms in members.items():
-        if r in s.kinds or r not in birth:
+        if r in s.kinds or r not in birth or r in hosted:
             continue
         end = max([birth[r], *(2 * last[m] for m in ms if m in last)])
-        intervals.append((r, birth[r], end, _align(nbytes[r])))
+        intervals.append((r, birth[r], end, _align(max(nbytes[m] for m in ms))))
+    for i, size in (workspace or {}).items():
+        intervals.append((f"workspace.{i}", 2 * i, 2 * i, _align(size)))
     intervals.sort(key=lambda iv: (-iv[3], iv[1], iv[0]))
     placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
     top = 0
@@ -1144,9 +1478,18 @@ def _place(s: _Scheduler) -> tuple[list[Slot], dict[str, Tensor], int, int]:
         placed.append((b, e, at, size))
         top = max(top, at + size)
         kind = "saved" if b // 2 <= fwd_end < e // 2 else "transient"
-        slots.append(Slot(r, kind, size, base + at, b // 2, e // 2, tuple(members[r])))
+        if r not in members:  # a step's workspace: no tensor of the Program lives there
+            kind = "workspace"
+        slots.append(Slot(r, kind, size, base + at, b // 2, e // 2, tuple(members.get(r, ()))))
     arena = base + top
+    # the host pool: offloaded activations, each its own range (they all wait for the backward)
+    at = 0
+    for k in sorted(hosted):
+        size = _align(nbytes[k])
+        slots.append(Slot(k, "host", size, at, birth[k] // 2, max(2 * last.get(k, 0), birth[k]) // 2, (k,)))
+        at += size
     slot_of = {m: sl for sl in slots for m in sl.tensors}
-    tensors = {k: Tensor(k, shape, s.np_dtype(dt), slot_of[k].name, slot_of[k].offset)
-               for k, (shape, dt) in s.types.items() if k in slot_of}
+    tensors = {k: Tensor(k, shape, dtypes[k], slot_of[k].name, slot_of[k].offset,
+                         "host" if k in hosted else "arena")
+               for k, (shape, _) in s.types.items() if k in slot_of}
     return slots, tensors, persistent, arena

@@ -11,6 +11,9 @@ own hints: a tensor its ``recompute`` list names is replayed by the op that prod
 
 block (seed 001): keep each block's inputs and its persistent slots (``save=True`` and not
 recompute); everything else the backward reads is replayed, the whole block at once.
+
+offload (seed 000 §4.2): nothing is replayed; what the backward reads moves to the host pool between
+the forward and the backward (:func:`offload`), as do the slots a dsl plan marks ``memory_hint="offload"``.
 """
 
 from __future__ import annotations
@@ -409,6 +412,7 @@ def bind(ctx: BlockContext, ops: Sequence[RecomputeOp], gated: Sequence[str], tr
         for d in rop.inputs:
             if not d.startswith("@"):
                 stop.update(tensors(d))
+        stop.update(rop.globals.values())  # a global is read from the block input that carries it
         targets = [t for o in rop.outputs for t in tensors(o)]
         for o in rop.outputs:
             if not tensors(o):
@@ -452,7 +456,9 @@ def bind(ctx: BlockContext, ops: Sequence[RecomputeOp], gated: Sequence[str], tr
             bound[u] = attrs.evolve(bound[u], replay=(*bound[u].replay, op))
             unit[op.outputs[0]] = u
             recomputed.add(op.outputs[0])
-    return _finish(ctx, fwd, bound, recomputed, gated, training, whole_block=False)
+    plan = _finish(ctx, fwd, bound, recomputed, gated, training, whole_block=False)
+    hinted_off = {t for s in slots.values() if s.memory_hint == "offload" for t in tensors(s.name)}
+    return offload(ctx, plan, registry, hinted_off, strict=True) if hinted_off else plan
 
 
 def _check_attrs(rop: RecomputeOp, registry: OpRegistry | None, where: str) -> None:
@@ -555,8 +561,10 @@ def _finish(ctx: BlockContext, fwd: _Forward, ops: Sequence[RecomputeOp], recomp
     saved = sorted(kept | {fwd.root[t] for t in kept}, key=lambda t: order.get(t, 0))  # with their storage
     rec = sorted(recomputed, key=lambda t: order.get(t, 0))
     slots = {s.name: s for s in ctx.module.activations.slots}
-    # the storage of a recomputed slot (a view's is its input's) is what the layers share
-    shared = _unique(fwd.root[t] for t in rec if t in slots and training in SHARING[slots[t].share_policy])
+    # the storage of a recomputed slot (a view's is its input's) is what the layers share; a slot that
+    # shares_with another uses that one's storage instead (seed 000 §7)
+    shared = _unique(fwd.root[t] for t in rec if t in slots and not slots[t].shares_with
+                     and training in SHARING[slots[t].share_policy])
     return BlockPlan(ctx.name, ctx.layers, ops, saved, rec, FrozenDict(_bytes([*saved, *rec], fwd, ctx)),
                      gated=gated, shared=shared, whole_block=whole_block)
 
@@ -609,20 +617,75 @@ def replay_plan(ctx: BlockContext, replayed: set[int], registry: OpRegistry | No
     return _finish(ctx, fwd, ops, recomputed, (), training, whole_block=whole_block)
 
 
-def plan_block(ctx: BlockContext, registry: OpRegistry | None, training: str) -> BlockPlan:
-    """Seed 001: keep the block inputs and persistent slots, replay all the rest, whole block at once."""
+#: the options of block mode (seed 001 §2.5): granularity ``layer`` (each layer keeps its inputs) or
+#: ``block`` (the stack keeps only its first layer's inputs), and whether normalizations and
+#: bias-dropout-adds are replayed (True) or keep their outputs (False)
+BLOCK_OPTIONS = {"granularity": ("layer", "block"), "include_layernorm": (True, False),
+                 "include_bda": (True, False)}
+
+
+def block_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Block mode's options from ``options`` (defaults: layer granularity, everything replayed); a bad
+    value is an error naming the option and the values it takes."""
+    out = {k: v[0] for k, v in BLOCK_OPTIONS.items()}
+    for k, valid in BLOCK_OPTIONS.items():
+        if k in options:
+            v = options[k]
+            if not any(v is x or (isinstance(x, str) and v == x) for x in valid):
+                raise KilnError(f"recompute option {k}={v!r} is not valid in block mode; expected one of "
+                                f"{', '.join(map(repr, valid))}")
+            out[k] = v
+    return out
+
+
+def _kept_ops(fwd: _Forward, registry: OpRegistry | None, include_layernorm: bool,
+              include_bda: bool) -> set[int]:
+    """Forward ops whose outputs block mode keeps instead of replaying: normalizations (ops whose schema
+    outputs an ``rstd``) unless ``include_layernorm``, and bias-dropout-adds (random ops and the ops that
+    read their outputs) unless ``include_bda``."""
+    if registry is None:
+        return set()
+    out: set[int] = set()
+    for k, op in enumerate(fwd.g.ops):
+        d = registry.get_op(op.type)
+        if not include_layernorm and "rstd" in (o.strip("?*") for o in d.outputs):
+            out.add(k)
+        if not include_bda and d.random:  # the op and those reading its outputs (or views of them)
+            out.add(k)
+            made = {fwd.root[o] for o in op.outputs if o}
+            out.update(j for j, other in enumerate(fwd.g.ops)
+                       if not fwd.alias[j] and any(fwd.root.get(i) in made for i in other.inputs if i))
+    return out
+
+
+def plan_block(ctx: BlockContext, registry: OpRegistry | None, training: str,
+               options: Mapping[str, Any] | None = None) -> BlockPlan:
+    """Seed 001: keep the block inputs and persistent slots, replay all the rest, whole block at once.
+
+    ``options`` (:data:`BLOCK_OPTIONS`): with granularity ``block`` the layers of a stack keep no
+    carried input but the first layer's; their replays run in forward order when the stack's output
+    gradient arrives, each layer's carried inputs the outputs the layer before replays. The slots'
+    hints mix in: ``save=True`` slots and the forward graph's ``save`` list are kept, slots hinted
+    ``memory_hint="offload"`` are offloaded."""
     assert ctx.module.forward is not None
+    opts = block_options(options or {})
     fwd = _Forward(ctx.module.forward, registry)
     where = f"block {ctx.name!r}"
     cfg = ctx.module.config
-    persistent = {n for s in ctx.module.activations.slots if s.save and not s.recompute and (
-                  s.condition is None or condition_holds(s.condition, cfg, f"{where}, slot {s.name!r}"))
-                  for n in (s.name, *s.aliases) if n in fwd.tensors}
+    present = [s for s in ctx.module.activations.slots
+               if s.condition is None or condition_holds(s.condition, cfg, f"{where}, slot {s.name!r}")]
+    persistent = {n for s in present if s.save and not s.recompute
+                  for n in (s.name, *s.aliases) if n in fwd.tensors} | _save_list(fwd, where)
+    persistent |= {o for k in _kept_ops(fwd, registry, opts["include_layernorm"], opts["include_bda"])
+                   for o in fwd.g.ops[k].outputs if o}
     kept_roots = {fwd.root[p] for p in persistent} | fwd.inputs
+    stack = opts["granularity"] == "block"
+    carried_out = [o for o, _ in ctx.carries]
+    need = [*ctx.saves, *carried_out] if stack else list(ctx.saves)  # the next layer reads the outputs
     # ops that cannot be replayed (collectives, random ops without counter state) keep their outputs
     while True:
         keep = {t for t in fwd.tensors if fwd.root[t] in kept_roots}  # with the views of what is kept
-        ops = closure(fwd, ctx.saves, keep)
+        ops = closure(fwd, need, keep)
         stuck = {o for k in ops if registry is not None and not replayable(fwd.g.ops[k], registry)
                  for o in fwd.g.ops[k].outputs if o}
         if stuck <= kept_roots:
@@ -635,11 +698,47 @@ def plan_block(ctx: BlockContext, registry: OpRegistry | None, training: str) ->
             if i and i not in made | keep | fwd.params | fwd.inputs:
                 raise KilnError(f"{where}: block recompute of op #{k} ({fwd.g.ops[k]}) reads {i!r}, which is "
                                 "neither kept nor replayed", code="E021")
-    return replay_plan(ctx, ops, registry, training, keep=keep, whole_block=True)
+    plan = replay_plan(ctx, ops, registry, training, keep=keep, whole_block=True)
+    if stack:  # a carried input is the layer before's replayed output (the first layer's: kept)
+        carried_in = {i for _, i in ctx.carries}
+        plan = attrs.evolve(plan, stack=True, saved=[t for t in plan.saved if t not in carried_in])
+    hinted = {n for s in present if s.memory_hint == "offload"
+              for n in (s.name, *s.aliases) if n in fwd.tensors}
+    return offload(ctx, plan, registry, hinted, strict=True) if hinted else plan
 
 
-def plan_modes(context: PlanContext, mode: str) -> RecomputePlan:
-    """The none, dsl and block plans."""
+def offloadable(ctx: BlockContext, fwd: _Forward) -> set[str]:
+    """The tensors of a block that can move to the host pool: storage an op of the block produces
+    that is neither a block input nor a block output (those the layers before and after read)."""
+    carried = {fwd.root[d.name] for d in fwd.g.outputs} | fwd.inputs
+    return {r for r in set(fwd.root.values())
+            if r in fwd.producer and r not in carried and r not in fwd.params}
+
+
+def offload(ctx: BlockContext, plan: BlockPlan, registry: OpRegistry | None,
+            wanted: AbstractSet[str] | None = None, *, strict: bool = False) -> BlockPlan:
+    """``plan`` with the saved tensors of ``wanted`` (all that can move, when None) offloaded: each
+    storage moves to the host pool with the views of it the backward reads. ``strict``: a wanted
+    tensor that cannot move (a block input or output) is an error naming it."""
+    assert ctx.module.forward is not None
+    fwd = _Forward(ctx.module.forward, registry)
+    can = offloadable(ctx, fwd)
+    if strict and wanted:
+        stuck = sorted(t for t in wanted if fwd.root.get(t, t) not in can and t in plan.saved)
+        if stuck:
+            raise KilnError(f"block {ctx.name!r}: {', '.join(map(repr, stuck))} asks for offload, but it is "
+                            "the block's input or output, which the next layer reads on the device",
+                            code="E021", hint="offload the tensors the block computes inside")
+    roots = {fwd.root[t] for t in plan.saved if t in fwd.root and fwd.root[t] in can
+             and (wanted is None or t in wanted or fwd.root[t] in wanted)}
+    if not roots:
+        return plan
+    moved = [t for t in plan.saved if fwd.root.get(t) in roots]
+    return attrs.evolve(plan, saved=[t for t in plan.saved if t not in moved], offloaded=moved)
+
+
+def plan_modes(context: PlanContext, mode: str, options: Mapping[str, Any] | None = None) -> RecomputePlan:
+    """The none, dsl, block and offload plans (``options``: block mode's, :data:`BLOCK_OPTIONS`)."""
     from kiln.core.plan._recompute_auto import model_bytes
 
     blocks = []
@@ -655,9 +754,13 @@ def plan_modes(context: PlanContext, mode: str) -> RecomputePlan:
             blocks.append(BlockPlan(ctx.name, ctx.layers))
         elif mode == "dsl":
             ops, gated = dsl_layout(ctx.module, context.training, context.globals)
+            ops = _globals_read(context, ctx, ops)
             blocks.append(bind(ctx, ops, gated, context.training, context.registry))
         elif mode == "block":
-            blocks.append(plan_block(ctx, context.registry, context.training))
+            blocks.append(plan_block(ctx, context.registry, context.training, options))
+        elif mode == "offload":
+            blocks.append(offload(ctx, replay_plan(ctx, set(), context.registry, context.training),
+                                  context.registry))
         else:
             blocks.append(replay_plan(ctx, set(), context.registry, context.training))
     layers = tuple(name for name, _ in context.layer_chain())
@@ -666,6 +769,44 @@ def plan_modes(context: PlanContext, mode: str) -> RecomputePlan:
     plan = RecomputePlan(mode, context.training, blocks=blocks, layers=layers)
     return attrs.evolve(plan, reference_bytes=model_bytes(context, none),
                         planned_bytes=model_bytes(context, plan))
+
+
+def global_inputs(context: PlanContext, block: str) -> dict[str, str]:
+    """Tensors of the model's graph that every layer of ``block`` reads, and the block input each reaches
+    it as: what a ``call`` of the block passes past its carried inputs (those the layer before returns)."""
+    g, callee = context.model.forward, context.block(block).module.forward
+    out: dict[str, str] = {}
+    if g is None or callee is None:
+        return out
+    carried = min(len(callee.inputs), len(callee.outputs))
+    for op in g.ops:
+        if op.type == "call" and op.attrs.get("module") == block:
+            for d, t in zip(callee.inputs[carried:], op.inputs[carried:], strict=False):
+                out.setdefault(t, d.name)
+    return out
+
+
+def _globals_read(context: PlanContext, ctx: BlockContext, ops: Sequence[RecomputeOp]) -> list[RecomputeOp]:
+    """Each ``@global:g`` dependency resolved to the block input that carries the model's tensor ``g`` into
+    every layer (recorded in ``RecomputeOp.globals``): the replay reads it there. A global the block does
+    not receive cannot be read by a replay: E021, naming it."""
+    reach = global_inputs(context, ctx.name)
+    optional = {d[9:] for s in ctx.module.activations.slots for d in s.recompute_from
+                if d.startswith("?@global:")}
+    out = []
+    for rop in ops:
+        wanted = [g for i in rop.inputs if i.startswith("@global:")
+                  and ((g := i.removeprefix("@global:")) in reach or g not in optional)]
+        rop = attrs.evolve(rop, inputs=[i for i in rop.inputs
+                                        if not i.startswith("@global:") or i[8:] in wanted])
+        missing = [g for g in wanted if g not in reach]
+        if missing:
+            raise KilnError(f"block {ctx.name!r}: recompute op {rop.name!r} is recomputed from "
+                            f"{', '.join(repr('@global:' + g) for g in missing)}, a tensor of the model's "
+                            "graph that the block does not receive, so its replay cannot read it",
+                            code="E021", hint="pass it to the block (an input of its call), or drop it")
+        out.append(attrs.evolve(rop, globals=FrozenDict({g: reach[g] for g in wanted})) if wanted else rop)
+    return out
 
 
 def check_plan(plan: RecomputePlan, context: PlanContext) -> None:
@@ -684,6 +825,12 @@ def check_plan(plan: RecomputePlan, context: PlanContext) -> None:
                         raise KilnError(f"block {b.module!r}: recompute op {rop.name!r} replays {op.type!r} "
                                         f"reading {i!r}, which is not a tensor of the block", code="E021")
                 made.update(o for o in op.outputs if o)
+        can = offloadable(ctx, fwd)
+        stuck = [t for t in b.offloaded if fwd.root.get(t) not in can]
+        if stuck:
+            raise KilnError(f"block {b.module!r}: {', '.join(map(repr, stuck))} marked offloaded, but only "
+                            "tensors the block computes that are not its output can move to the host",
+                            code="E021")
         missing = [t for t in b.recomputed if t not in made]
         if missing:
             raise KilnError(f"block {b.module!r}: {', '.join(map(repr, missing))} marked recomputed but no "

@@ -13,6 +13,14 @@ input is that same storage (counted once). Layers of one block may so take diffe
 that take the same form one layer group of the plan.
 
 Replaying a matmul-class op is considered only below the smallest budget reachable without one.
+
+An op's price is its FLOPs, or under the measured cost model (:mod:`kiln.core.plan._calibrate`, the
+default when ``compile`` made the context) its kernel's calibrated seconds on this machine in
+FLOP-equivalents (times the calibration's matmul rate): a norm or an activation then costs what its
+memory traffic takes, not its few FLOPs.
+
+With offload allowed (a price per byte moved), a root may also be copied to the host pool instead of
+kept: it costs no saved bytes and ``price * 2 * bytes`` (out and back) on the FLOPs axis.
 """
 
 from __future__ import annotations
@@ -27,17 +35,21 @@ import numpy as np
 
 from kiln.core._errors import KilnError
 from kiln.core.ops._ops import OpRegistry
-from kiln.core.plan._recompute import _Forward, replay_plan, replay_variants, replayable
+from kiln.core.plan._calibrate import Calibration, calibration_for, cost_mode
+from kiln.core.plan._recompute import _Forward, offload, offloadable, replay_plan, replay_variants, replayable
 from kiln.core.plan.recompute import BlockContext, ParetoPoint, PlanContext, RecomputePlan
 
 # (bytes, FLOPs, cost bytes, replayed op positions as a bit mask)
 _Pt = tuple[int, float, float, int]
+#: per block, the price of each forward op (FLOP-equivalents); None: its FLOPs
+Prices = Mapping[str, Sequence[float]] | None
 
 
 class _Block:
     """One block as the dynamic program sees it: roots as bits, ops as bit masks."""
 
-    def __init__(self, ctx: BlockContext, registry: OpRegistry | None) -> None:
+    def __init__(self, ctx: BlockContext, registry: OpRegistry | None,
+                 prices: Sequence[float] | None = None) -> None:
         assert ctx.module.forward is not None
         fwd = _Forward(ctx.module.forward, registry)
         self.ctx, self.fwd = ctx, fwd
@@ -66,11 +78,14 @@ class _Block:
             # flop-heavy ops (matmuls, attention) are replayed only when the budget forces it
             self.matmul.append(registry is not None and op.type in registry
                                and registry.get_op(op.type).flop_heavy)
-            self.cost.append((ctx.costs[k].flops, ctx.costs[k].bytes))
+            self.cost.append((ctx.costs[k].flops if prices is None else prices[k], ctx.costs[k].bytes))
             self.variants.append([(self.mask(o for o in v.outputs if o) & outs,
                                    self.mask(fwd.root[i] for i in v.inputs if i))
                                   for v in replay_variants(op, registry)])
         self.n_variants = max((len(v) for v in self.variants), default=0)
+        #: per position, whether the op's outputs may move to the host pool
+        can_move = offloadable(ctx, fwd)
+        self.movable = [all(fwd.root[o] in can_move for o in fwd.g.ops[k].outputs if o) for k in self.ops]
         self.carry_out = [self.bit.get(fwd.root[out], 0) for out, _ in ctx.carries]
         self.carry_in = [self.bit.get(fwd.root[inp], 0) for _, inp in ctx.carries]
         self.carry_size = [int(ctx.sizes.get(inp, 0)) for _, inp in ctx.carries]
@@ -114,13 +129,16 @@ def _prune(points: list[_Pt]) -> list[_Pt]:
     return out
 
 
-def block_front(b: _Block, allow_matmul: bool) -> dict[tuple[int, int], list[_Pt]]:
+def block_front(b: _Block, allow_matmul: bool, offload_cost: float | None = None
+                ) -> dict[tuple[int, int], list[_Pt]]:
     """Every Pareto-optimal plan of one layer of a block, per signature (:meth:`_Block.signature`: the
     carried inputs and outputs it keeps, whose bytes depend on its neighbours): (bytes of the other
     roots it keeps, FLOPs, cost bytes, replayed).
 
     ``replayed`` has bit ``pos`` for an op replayed whole and bit ``pos + (v + 1) * len(b.ops)`` for
-    one rebuilt by its replay variant ``v`` (the outputs it does not rebuild, and those it reads, kept).
+    one rebuilt by its replay variant ``v`` (the outputs it does not rebuild, and those it reads, kept),
+    and bit ``pos + (b.n_variants + 1) * len(b.ops)`` for one whose outputs are offloaded (with
+    ``offload_cost``, FLOPs per byte moved: they cost no bytes, and that price for the copy out and back).
     """
     n = len(b.ops)
     # state: (roots a replay still needs, carried outputs kept) -> points (bytes so far, ...)
@@ -139,6 +157,10 @@ def block_front(b: _Block, allow_matmul: bool) -> dict[tuple[int, int], list[_Pt
             kb = b.bytes_of(q)  # keep the outputs needed
             kept = new.setdefault((rest, kout | q & b.outs_carried), [])
             kept.extend((m + kb, f, c, r) for m, f, c, r in pts)
+            if offload_cost is not None and b.movable[pos]:  # or move them to the host and back
+                moved, bit = 2 * kb, 1 << (pos + (b.n_variants + 1) * n)
+                new.setdefault((rest, kout), []).extend(
+                    (m, f + offload_cost * moved, c + moved, r | bit) for m, f, c, r in pts)
             if can:  # or replay the op: its inputs are needed in turn
                 bit = 1 << pos
                 new.setdefault((rest | (ins & ~b.needed), kout), []).extend(
@@ -175,28 +197,32 @@ def _pareto(nbytes: np.ndarray, flops: np.ndarray, cost: np.ndarray) -> np.ndarr
     return keep
 
 
-def _blocks(context: PlanContext) -> dict[str, _Block]:
-    return {c.name: _Block(c, context.registry) for c in context.blocks if c.module.forward is not None}
+def _blocks(context: PlanContext, prices: Prices = None) -> dict[str, _Block]:
+    return {c.name: _Block(c, context.registry, None if prices is None else prices.get(c.name))
+            for c in context.blocks if c.module.forward is not None}
 
 
-#: a layer's plan as a point names it: (forward ops replayed whole, (op, replay variant) pairs)
-_Choice = tuple[frozenset[int], tuple[tuple[int, int], ...]]
+#: a layer's plan as a point names it: (forward ops replayed whole, (op, replay variant) pairs, forward
+#: ops whose outputs are offloaded)
+_Choice = tuple[frozenset[int], tuple[tuple[int, int], ...], frozenset[int]]
 
 
 def _front(context: PlanContext, blocks: Mapping[str, _Block], allow_matmul: bool,
-           only: Mapping[str, AbstractSet[_Choice]] | None = None) -> list[ParetoPoint]:
+           only: Mapping[str, AbstractSet[_Choice]] | None = None,
+           offload_cost: float | None = None) -> list[ParetoPoint]:
     """The model's Pareto points, each layer taking its own point of its block's front (of those in
     ``only``, where given): a dynamic program along the layers in forward order whose state is the
     carried outputs the layer before keeps (a layer's carried input is that storage, counted once)."""
     chain = context.layer_chain()
     # per block, every plan of one layer: (bytes of the roots it keeps but its inputs, FLOPs, cost bytes,
     # carried inputs kept, carried outputs kept, replayed)
-    options = {name: [(m, f, c, kin, kout, r) for (kin, kout), pts in block_front(b, allow_matmul).items()
+    options = {name: [(m, f, c, kin, kout, r)
+                      for (kin, kout), pts in block_front(b, allow_matmul, offload_cost).items()
                       for m, f, c, r in pts] for name, b in blocks.items()}
     decoded = {name: [_decode(blocks[name], o[5]) for o in opts] for name, opts in options.items()}
     if only is not None:
         for name in options:
-            pick = [k for k, d in enumerate(decoded[name]) if d[:2] in only.get(name, ())]
+            pick = [k for k, d in enumerate(decoded[name]) if d[:3] in only.get(name, ())]
             options[name], decoded[name] = [options[name][k] for k in pick], [decoded[name][k] for k in pick]
     cols = {name: [np.array(col) for col in zip(*opts, strict=True)] for name, opts in options.items()}
     nbytes, flops, cost = np.array([float(context.fixed_bytes)]), np.zeros(1), np.zeros(1)
@@ -226,43 +252,49 @@ def _front(context: PlanContext, blocks: Mapping[str, _Block], allow_matmul: boo
     for x, row in zip(final, picks, strict=True):
         layers = [decoded[name][o] for (name, _), o in zip(chain, row, strict=True)]
         out_points.append(ParetoPoint(int(nbytes[x]), float(flops[x]), float(cost[x]),
-                                      tuple(r for r, _, _ in layers), any(mm for _, _, mm in layers),
-                                      variants=tuple(v for _, v, _ in layers)))
+                                      tuple(r for r, _, _, _ in layers), any(mm for *_, mm in layers),
+                                      variants=tuple(v for _, v, _, _ in layers),
+                                      offloaded=tuple(o for _, _, o, _ in layers)))
     return out_points
 
 
-def _decode(b: _Block, r: int) -> tuple[frozenset[int], tuple[tuple[int, int], ...], bool]:
-    """A layer's replayed bit mask as (forward ops replayed whole, (op, variant) pairs, whether any of
-    them is matmul-class)."""
+def _decode(b: _Block, r: int) -> tuple[frozenset[int], tuple[tuple[int, int], ...], frozenset[int], bool]:
+    """A layer's replayed bit mask as (forward ops replayed whole, (op, variant) pairs, forward ops whose
+    outputs are offloaded, whether any replayed op is matmul-class)."""
     n = len(b.ops)
     whole = frozenset(b.ops[p] for p in range(n) if r >> p & 1)
     variants = tuple((b.ops[p], v) for v in range(b.n_variants) for p in range(n)
                      if r >> (p + (v + 1) * n) & 1)
+    moved = frozenset(b.ops[p] for p in range(n) if r >> (p + (b.n_variants + 1) * n) & 1)
     matmul = any(b.matmul[p] for p in range(n) if any(r >> (p + v * n) & 1 for v in range(b.n_variants + 1)))
-    return whole, variants, matmul
+    return whole, variants, moved, matmul
 
 
-def model_front(context: PlanContext, allow_matmul: bool | None) -> list[ParetoPoint]:
-    blocks = _blocks(context)
+def model_front(context: PlanContext, allow_matmul: bool | None,
+                offload_cost: float | None = None, prices: Prices = None) -> list[ParetoPoint]:
+    blocks = _blocks(context, prices)
     if allow_matmul is not None:
-        points = _front(context, blocks, allow_matmul)
+        points = _front(context, blocks, allow_matmul, offload_cost=offload_cost)
     else:
-        base = _front(context, blocks, False)
+        base = _front(context, blocks, False, offload_cost=offload_cost)
         floor = min(p.bytes for p in base)
-        points = base + [p for p in _front(context, blocks, True) if p.bytes < floor]
+        points = base + [p for p in _front(context, blocks, True, offload_cost=offload_cost)
+                         if p.bytes < floor]
     return sorted(points, key=lambda p: (-p.bytes, p.flops))
 
 
-def _grouped(context: PlanContext, point: ParetoPoint, budget: int, groups: int) -> ParetoPoint:
+def _grouped(context: PlanContext, point: ParetoPoint, budget: int, groups: int,
+             offload_cost: float | None = None, prices: Prices = None) -> ParetoPoint:
     """``point`` where each block's layers take at most ``groups`` plans; else the plan with the fewest
     FLOPs within ``budget`` whose blocks' layers take at most ``groups`` of the plans ``point`` gives
     them: those it gives most layers, or the ones recomputing most and least with those it gives most
     layers, or the one recomputing most alone (``point`` itself if none fits)."""
-    blocks = _blocks(context)
+    blocks = _blocks(context, prices)
     used: dict[str, Counter[_Choice]] = {}
     variants = point.variants or tuple(() for _ in point.replayed)
-    for (name, _), r, v in zip(context.layer_chain(), point.replayed, variants, strict=True):
-        used.setdefault(name, Counter())[(r, v)] += 1
+    moved = point.offloaded or tuple(frozenset() for _ in point.replayed)
+    for (name, _), r, v, o in zip(context.layer_chain(), point.replayed, variants, moved, strict=True):
+        used.setdefault(name, Counter())[(r, v, o)] += 1
     if all(len(c) <= groups for c in used.values()):
         return point
 
@@ -278,7 +310,7 @@ def _grouped(context: PlanContext, point: ParetoPoint, budget: int, groups: int)
               for name, c in used.items()},
              {name: {by_flops(name)[-1]} for name in used}]
     for only in tries:
-        fits = [p for p in _front(context, blocks, point.matmul, only) if p.bytes <= budget]
+        fits = [p for p in _front(context, blocks, point.matmul, only, offload_cost) if p.bytes <= budget]
         if fits:
             return min(fits, key=_rank)
     return point
@@ -308,9 +340,15 @@ def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any
     ``options["peak_budget"]``, whose activation peak (``options["measure"]``, plan -> placed peak, as
     ``compile`` passes) fits that; a block's layers take at most ``options["layer_groups"]`` plans."""
     allow = options.get("allow_matmul")
-    points = model_front(context, allow)
-    none = max(points, key=lambda p: (p.bytes, -p.flops))
-    target = resolve(budget, none.bytes)
+    price = offload_price(options)
+    prices, calibration = measured_prices(context, options)
+    points = model_front(context, allow, price, prices)
+    # without recompute (nor offload, which may make keeping everything a dominated point)
+    keep_all = [replay_plan(c, set(), None, context.training) for c in context.blocks
+                if c.module.forward is not None]
+    none_bytes = model_bytes(context, RecomputePlan(blocks=keep_all,
+                                                    layers=tuple(name for name, _ in context.layer_chain())))
+    target = resolve(budget, none_bytes)
     # by default a plan replaying matmul-class ops is taken only where no plan without them fits
     fits = sorted((p for p in points if p.bytes <= target),
                   key=lambda p: (allow is None and p.matmul, *_rank(p)))
@@ -318,13 +356,13 @@ def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any
         lowest = min(p.bytes for p in points)
         how = " without replaying matmul-class ops" if allow is False else ""
         raise KilnError(f"no recompute plan keeps the saved activations within {target} bytes: the least any "
-                        f"plan keeps{how} is {lowest} bytes ({none.bytes} without recompute)",
+                        f"plan keeps{how} is {lowest} bytes ({none_bytes} without recompute)",
                         hint=f"raise the budget to at least {lowest} bytes, or use recompute='block'")
     groups = int(options.get("layer_groups", LAYER_GROUPS))
     if groups < 1:
         raise KilnError(f"recompute option layer_groups={groups} is not valid; expected at least 1 (1: every "
                         "layer of a block takes the same plan)")
-    best = _grouped(context, fits[0], target, groups)
+    best = _grouped(context, fits[0], target, groups, price, prices)
     peak_budget = options.get("peak_budget")
     if peak_budget is not None:
         measure = options.get("measure")
@@ -333,7 +371,7 @@ def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any
                             "activation peak), which compile passes")
         peaks: list[int] = []
         for p in fits:  # fewest FLOPs first: the first whose placed peak fits
-            p = _grouped(context, p, target, groups)
+            p = _grouped(context, p, target, groups, price, prices)
             peaks.append(int(measure(to_plan(context, p))))
             if peaks[-1] <= peak_budget:
                 best = p
@@ -342,7 +380,31 @@ def plan_auto(context: PlanContext, budget: float | None, options: dict[str, Any
             raise KilnError(f"no recompute plan within {target} saved bytes keeps the activation peak within "
                             f"{peak_budget} bytes; the lowest peak among them is {min(peaks)} bytes",
                             hint="raise peak_budget or lower the saved-activation budget")
-    return to_plan(context, best, target, none.bytes)
+    plan = to_plan(context, best, target, none_bytes)
+    if calibration is None:
+        return plan
+    return attrs.evolve(plan, cost="measured", predicted_seconds=best.flops / calibration.rate)
+
+
+def measured_prices(context: PlanContext, options: Mapping[str, Any]) -> tuple[Prices, Calibration | None]:
+    """Per block, the price of each forward op under the measured cost model (:mod:`._calibrate`): its
+    calibrated seconds times the calibration's matmul rate, in FLOP-equivalents; (None, None) where
+    recompute is priced by FLOPs (option ``cost="flops"``, ``$KILN_RECOMPUTE_COST=flops``, or a context
+    made without a compile target, or one for a backend not on the host, such as ``cuda``). Option
+    ``cost`` may also be a :class:`Calibration` itself."""
+    given = options.get("cost")
+    cal = given if isinstance(given, Calibration) else None
+    mode = "measured" if cal is not None else cost_mode(given)
+    target = context.target
+    if mode == "flops" or not any(c.probes for c in context.blocks) or (cal is None and target is None):
+        return None, None
+    if cal is None and getattr(target.backend, "device", "cpu") != "cpu":
+        return None, None  # its kernels do not run on this host's arrays: FLOPs it is
+    if cal is None:
+        probes = [p for c in context.blocks for p in c.probes]
+        cal = calibration_for(probes, backend=target.backend.name, dtype=target.dtype, kernels=target.kernels,
+                              registry=context.registry)
+    return {c.name: [cal.seconds(p) * cal.rate for p in c.probes] for c in context.blocks if c.probes}, cal
 
 
 def to_plan(context: PlanContext, point: ParetoPoint, budget: int | None = None,
@@ -351,14 +413,42 @@ def to_plan(context: PlanContext, point: ParetoPoint, budget: int | None = None,
     block's layers take different plans."""
     chain = context.layer_chain()
     variants = point.variants or tuple(() for _ in chain)
-    groups: dict[tuple[str, frozenset[int], tuple[tuple[int, int], ...]], list[int]] = {}
-    for i, ((name, _), r, v) in enumerate(zip(chain, point.replayed, variants, strict=True)):
-        groups.setdefault((name, r, v), []).append(i)
+    moved = point.offloaded or tuple(frozenset() for _ in chain)
+    groups: dict[tuple[str, frozenset[int], tuple[tuple[int, int], ...], frozenset[int]], list[int]] = {}
+    for i, ((name, _), r, v, o) in enumerate(zip(chain, point.replayed, variants, moved, strict=True)):
+        groups.setdefault((name, r, v, o), []).append(i)
     blocks = []
     for c in context.blocks:
-        mine = [(r, v, ids) for (name, r, v), ids in groups.items() if name == c.name]
-        for r, v, ids in mine:
+        mine = [(r, v, o, ids) for (name, r, v, o), ids in groups.items() if name == c.name]
+        for r, v, o, ids in mine:
             plan = replay_plan(c, set(r), context.registry, context.training, variants=dict(v))
+            if o:
+                assert c.module.forward is not None
+                ops = c.module.forward.ops
+                plan = offload(c, plan, context.registry, {t for k in o for t in ops[k].outputs if t})
             blocks.append(attrs.evolve(plan, layers=len(ids), layer_ids=ids if len(mine) > 1 else ()))
     return RecomputePlan("auto", context.training, blocks=blocks, budget=budget, reference_bytes=reference,
                          planned_bytes=point.bytes, layers=tuple(name for name, _ in chain))
+
+
+#: the default price of offload in the auto planner, in FLOPs per byte moved (out and back each count):
+#: a device computing about 1000 times more FLOPs per second than bytes it moves to the host
+OFFLOAD_COST = 1000.0
+
+
+def offload_price(options: Mapping[str, Any]) -> float | None:
+    """The auto planner's price of offload (FLOPs per byte moved) from ``options``: ``offload`` (False by
+    default; True allows it) and ``offload_cost`` (a number >= 0, :data:`OFFLOAD_COST` by default).
+    None: offload is not allowed."""
+    allow, cost = options.get("offload", False), options.get("offload_cost")
+    if not isinstance(allow, bool):
+        raise KilnError(f"recompute option offload={allow!r} is not valid; expected True or False")
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 0):
+        raise KilnError(f"recompute option offload_cost={cost!r} is not valid; expected FLOPs per byte "
+                        "moved, a number >= 0")
+    if not allow:
+        if cost is not None:
+            raise KilnError("recompute option offload_cost is given but offload is not allowed",
+                            hint="add recompute option offload=True")
+        return None
+    return float(OFFLOAD_COST if cost is None else cost)

@@ -7,7 +7,13 @@ One plan type, :class:`RecomputePlan`, for every mode:
 - ``"auto"``: from the forward and backward graphs under a memory budget, minimising the FLOPs
   recomputed (exact dynamic programs over the block's ops and the model's layers, see :func:`pareto`);
 - ``"block"``: keep only each block's inputs and its persistent slots and replay the whole block
-  when its output gradient arrives (seed 001).
+  when its output gradient arrives (seed 001);
+- ``"offload"``: recompute nothing; copy every saved activation of each block that can move to a
+  host pool after its last forward use and back before its first backward use (seed 000 §4.2).
+
+Offload is a third choice beside keep and recompute in every mode: the dsl planner offloads the
+slots whose ``memory_hint`` is ``"offload"``, and the auto planner weighs it against recompute by
+the bytes it transfers when its option ``offload`` allows it.
 
 A plugin may replace the planner through the ``kiln_plan_recompute`` hook (first result wins).
 """
@@ -25,11 +31,14 @@ from attrs import field
 from kiln.core._errors import KilnError, PluginError
 from kiln.core.ir._ir import FrozenDict, Module, Op
 from kiln.core.ops._ops import Cost, OpRegistry
+from kiln.core.plan._calibrate import Calibration
+from kiln.core.plan._calibrate import predict as predict_step
 
 __all__ = [
     "MODES",
     "BlockContext",
     "BlockPlan",
+    "Calibration",
     "ParetoPoint",
     "PlanContext",
     "RecomputeOp",
@@ -40,9 +49,16 @@ __all__ = [
     "plan_context",
     "plan_recompute",
     "policy_active",
+    "predict_step",
 ]
 
-MODES = ("none", "dsl", "auto", "block")
+MODES = ("none", "dsl", "auto", "block", "offload")
+#: the options kiln's planner takes per mode (``measure``, the placed peak of a plan, comes from ``compile``)
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "none": (), "dsl": (), "offload": (),
+    "auto": ("allow_matmul", "peak_budget", "layer_groups", "offload", "offload_cost", "cost"),
+    "block": ("granularity", "include_layernorm", "include_bda"),
+}
 DEFAULT_AUTO_FRACTION = 0.5
 
 
@@ -83,6 +99,8 @@ class RecomputeOp:
     where the plan keeps a statistic such as an rstd), in forward order, so a recomputed tensor is
     bitwise the forward one. LoRA contributions are forward ops, so they are replayed too.
     ``rng`` holds, per random op output, the counter state its replay reuses (``seed``, ``offset``).
+    ``globals``: per ``@global:`` dependency, the block input that carries that tensor of the model's
+    graph into each layer, where the replay reads it.
     """
 
     name: str
@@ -95,6 +113,7 @@ class RecomputeOp:
     replay: tuple[Op, ...] = field(default=(), converter=_ops)
     rng: FrozenDict = field(factory=FrozenDict)
     flops: float = 0.0
+    globals: FrozenDict = field(factory=FrozenDict)
 
     def __str__(self) -> str:
         return (f"{self.name}: {', '.join(self.outputs)} = {self.op_type or 'forward'}"
@@ -113,7 +132,13 @@ class BlockPlan:
     slots marked recompute whose policy keeps them saved in this training mode. ``shared`` are
     recomputed slots whose buffer every layer shares (their share policy allows it).
     ``whole_block``: the whole replay runs when the layer's output gradient arrives (block mode)
-    instead of each op right before its first consumer.
+    instead of each op right before its first consumer. ``offloaded``: the forward tensors the
+    forward copies to the host pool after their last forward use and the backward copies back before
+    its first use of them (a view of an offloaded tensor is listed too and moves with it, 0 bytes);
+    they are neither saved nor recomputed. ``stack``: block mode at block granularity (seed 001): only
+    the stack's first layer keeps its carried inputs, and every layer's replay runs, in forward order,
+    when the stack's output gradient arrives, each reading the outputs the layer before replays.
+    ``can_recompute(tensor)`` and ``dependencies(tensor)`` query the plan.
     """
 
     module: str
@@ -126,6 +151,27 @@ class BlockPlan:
     shared: tuple[str, ...] = field(default=(), converter=_strs)
     whole_block: bool = False
     layer_ids: tuple[int, ...] = field(default=(), converter=_ints)
+    offloaded: tuple[str, ...] = field(default=(), converter=_strs)
+    stack: bool = False
+
+    def can_recompute(self, tensor: str) -> bool:
+        """Whether the backward reads ``tensor`` (a forward tensor of the block) recomputed."""
+        return tensor in self.recomputed
+
+    def dependencies(self, tensor: str) -> tuple[str, ...]:
+        """What the replay of recomputed ``tensor`` reads: kept tensors, parameters and the outputs of
+        other recompute ops, in the order its replay reads them (a ``KilnError`` if it is not
+        recomputed)."""
+        for rop in self.ops:
+            made: set[str] = set()
+            reads: list[str] = []
+            for op in rop.replay:
+                reads += [i for i in op.inputs if i and i not in made and i not in reads]
+                made.update(o for o in op.outputs if o)
+            if tensor in made:
+                return tuple(reads)
+        raise KilnError(f"block {self.module!r}: {tensor!r} is not recomputed by this plan (it recomputes "
+                        f"{', '.join(map(repr, self.recomputed)) or 'nothing'})")
 
     @property
     def saved_bytes(self) -> int:
@@ -134,6 +180,11 @@ class BlockPlan:
     @property
     def recomputed_bytes(self) -> int:
         return sum(int(self.bytes.get(n, 0)) for n in self.recomputed)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes per layer this plan copies to the host pool (and back)."""
+        return sum(int(self.bytes.get(n, 0)) for n in self.offloaded)
 
     @property
     def extra_flops(self) -> float:
@@ -166,6 +217,10 @@ class RecomputePlan:
     planned_bytes: int | None = None
     seconds: float = 0.0
     layers: tuple[str, ...] = field(default=(), converter=_strs)
+    #: how the auto planner priced recompute: ``flops``, or ``measured`` (calibrated kernel times)
+    cost: str = "flops"
+    #: the step time the plan's recompute adds, as the measured cost model predicts it (auto, measured)
+    predicted_seconds: float | None = None
 
     def block(self, module: str, layer: int | None = None) -> BlockPlan | None:
         """The plan of ``module``'s model layer ``layer`` (a position among the model's block layers in
@@ -178,6 +233,12 @@ class RecomputePlan:
         """FLOPs recomputed per training step (every layer of every block)."""
         return sum(b.extra_flops * b.layers for b in self.blocks)
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes per training step the forward copies to the host pool (every layer of every block);
+        the backward copies them back."""
+        return sum(b.offloaded_bytes * b.layers for b in self.blocks)
+
     def layer_plans(self) -> list[BlockPlan | None]:
         """The plan of each model layer in forward order (per ``layers``; without it, each block's
         layers in turn)."""
@@ -187,14 +248,16 @@ class RecomputePlan:
 
     def table(self) -> str:
         """One row per layer: block, its layer group (1, 2, ... where a block's layers take different
-        plans, in the order of ``blocks``), ops replayed, saved and recomputed bytes, extra FLOPs."""
+        plans, in the order of ``blocks``), ops replayed, saved, recomputed and offloaded bytes, extra
+        FLOPs."""
         group = {id(b): str(sum(c.module == b.module for c in self.blocks[:k]) + 1) if b.layer_ids else "-"
                  for k, b in enumerate(self.blocks)}
-        rows = [("layer", "block", "group", "ops", "saved", "recomputed", "extra GFLOP")]
+        rows = [("layer", "block", "group", "ops", "saved", "recomputed", "offloaded", "extra GFLOP")]
         for i, b in enumerate(self.layer_plans()):
             if b is not None:
                 rows.append((str(i), b.module, group[id(b)], str(len(b.ops)), _size(b.saved_bytes),
-                             _size(b.recomputed_bytes), f"{b.extra_flops / 1e9:.3f}"))
+                             _size(b.recomputed_bytes), _size(b.offloaded_bytes),
+                             f"{b.extra_flops / 1e9:.3f}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(cell.rjust(w) if c != 1 else cell.ljust(w)
                                    for c, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows)
@@ -205,12 +268,17 @@ class RecomputePlan:
         if self.budget is not None:
             lines.append(f"budget {_size(self.budget)}, planned {_size(self.planned_bytes or 0)} of "
                          f"{_size(self.reference_bytes or 0)} saved without recompute")
+        if self.predicted_seconds is not None:
+            ms = self.predicted_seconds * 1e3
+            lines.append(f"priced by measured kernel times: recompute adds {ms:.2f} ms per step (predicted)")
         for b in self.blocks:
             which = f" (layers {', '.join(map(str, b.layer_ids))})" if b.layer_ids else ""
             lines.append(f"block {b.module} x {b.layers}{which}{' (whole block)' if b.whole_block else ''}:")
             lines += [f"  {op}" for op in b.ops]
             lines.append(f"  saved: {', '.join(b.saved) or '-'}")
             lines.append(f"  recomputed: {', '.join(b.recomputed) or '-'}")
+            if b.offloaded:
+                lines.append(f"  offloaded: {', '.join(b.offloaded)}")
             if b.gated:
                 lines.append(f"  saved by policy in {self.training} training: {', '.join(b.gated)}")
         return "\n".join(lines)
@@ -230,6 +298,8 @@ class BlockContext:
     ``saves``: the forward tensors its backward reads. ``sizes``: bytes of every forward tensor
     (an alias of its input counts 0). ``costs``: per forward op index, its cost rule's FLOPs and
     bytes. ``carries``: (output, input) pairs, the block output that becomes the next layer's input.
+    ``probes``: per forward op index, its step as the measured cost model times it
+    (``kiln.core.plan._calibrate.Probe``), where ``compile`` made the context.
     """
 
     module: Module
@@ -238,6 +308,7 @@ class BlockContext:
     sizes: FrozenDict
     costs: tuple[Cost, ...]
     carries: tuple[tuple[str, str], ...] = ()
+    probes: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
@@ -253,6 +324,8 @@ class PlanContext:
     per model layer in forward order, its block and, per carried input of that block (``carries``),
     the output of the layer before that it reads (an index into that layer's ``carries``), or -1
     when it reads another tensor; empty: each block's layers form one chain of their own.
+    ``target``: what ``compile`` plans for (backend, kernel table, dtype), which the measured cost
+    model times; None: recompute is priced by FLOPs.
     """
 
     model: Module
@@ -262,6 +335,7 @@ class PlanContext:
     fixed_bytes: int = 0
     globals: frozenset[str] = frozenset()
     chain: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    target: Any = None
 
     def block(self, name: str) -> BlockContext:
         for b in self.blocks:
@@ -284,7 +358,8 @@ class ParetoPoint:
     ``replayed`` and ``variants`` are per model layer (``PlanContext.layer_chain()``), so layers of one
     block may differ: the forward op indices replayed whole, and (forward op index, replay variant)
     pairs, an op rebuilt in part by that entry of ``kiln.core.plan._recompute.replay_variants`` from
-    the rest of its outputs, which are kept."""
+    the rest of its outputs, which are kept. Where offload is allowed, ``flops`` also holds its price
+    (FLOPs per byte moved times the bytes moved out and back)."""
 
     bytes: int
     flops: float
@@ -293,15 +368,19 @@ class ParetoPoint:
     matmul: bool  # whether it replays a matmul-class op
     peak: int | None = None  # the placed activation peak, when measured
     variants: tuple[tuple[tuple[int, int], ...], ...] = ()
+    #: per model layer, the forward op indices whose outputs move to the host pool (offload allowed)
+    offloaded: tuple[frozenset[int], ...] = ()
 
 
 def plan_context(module_ir: Any, *, bindings: Mapping[str, int], mode: str = "full",
                  modules: Mapping[str, Module] | None = None, dtype: str = "float32",
-                 registry: OpRegistry | None = None) -> PlanContext:
-    """The :class:`PlanContext` ``compile`` gives the planner for this model, shape and training mode."""
+                 registry: OpRegistry | None = None, precision: Any = "fp32") -> PlanContext:
+    """The :class:`PlanContext` ``compile`` gives the planner for this model, shape, training mode and
+    precision recipe."""
     from kiln.core.plan._program import _context
 
-    return _context(module_ir, bindings=bindings, mode=mode, modules=modules, dtype=dtype, registry=registry)
+    return _context(module_ir, bindings=bindings, mode=mode, modules=modules, dtype=dtype, registry=registry,
+                    precision=precision)
 
 
 def layout_ops(block: Module, training: str = "full", *, globals: frozenset[str] = frozenset(),
@@ -319,18 +398,20 @@ def layout_ops(block: Module, training: str = "full", *, globals: frozenset[str]
 
 
 def pareto(context: PlanContext, *, allow_matmul: bool | None = None,
-           measure: Callable[[RecomputePlan], int] | None = None) -> list[ParetoPoint]:
+           measure: Callable[[RecomputePlan], int] | None = None,
+           offload_cost: float | None = None) -> list[ParetoPoint]:
     """Every auto plan that no other plan beats on both saved bytes and recomputed FLOPs, its layers
     free to take different plans.
 
     Sorted by bytes, largest first (the no-recompute plan). ``allow_matmul``: None tries without
     replaying matmul-class ops first and adds the points that need them below the smallest budget
     reachable without; True or False forces either. With ``measure`` (plan -> placed activation
-    peak), each point gets its ``peak``.
+    peak), each point gets its ``peak``. ``offload_cost`` (FLOPs per byte moved) adds offload to the
+    choices, at that price.
     """
     from kiln.core.plan._recompute_auto import model_front, to_plan
 
-    points = model_front(context, allow_matmul)
+    points = model_front(context, allow_matmul, offload_cost)
     if measure is None:
         return points
     return [attrs.evolve(p, peak=int(measure(to_plan(context, p)))) for p in points]
@@ -359,7 +440,13 @@ def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | 
     the one with the fewest recomputed FLOPs that fits. ``options`` (passed on to plugins as well):
     ``allow_matmul`` (None: only when the budget forces it), ``peak_budget``, the activation peak
     allowed in bytes (saved plus transient activations, as placed), and ``measure``, a function from a
-    plan to that peak (``compile`` passes one).
+    plan to that peak (``compile`` passes one); ``offload`` (True: the auto planner may also move
+    activations to the host pool, priced at ``offload_cost`` FLOPs per byte moved, 1000 by default);
+    ``cost`` (``"measured"``, the default where ``compile`` made the context, prices each replay by its
+    kernel's calibrated time on this machine; ``"flops"`` by its FLOPs; ``$KILN_RECOMPUTE_COST`` sets
+    the default).
+    Block mode takes ``granularity`` (``"layer"`` or ``"block"``), ``include_layernorm`` and
+    ``include_bda`` (see ``kiln.core.plan._recompute.BLOCK_OPTIONS``).
     """
     if mode not in MODES:
         raise KilnError(f"recompute={mode!r} is not valid; expected one of {', '.join(map(repr, MODES))}")
@@ -369,10 +456,15 @@ def plan_recompute(context: PlanContext, mode: str = "none", *, budget: float | 
     if plan is None:
         from kiln.core.plan import _recompute, _recompute_auto
 
+        unknown = sorted(k for k in opts if k not in OPTIONS[mode] and k != "measure")
+        if unknown:
+            takes = ", ".join(OPTIONS[mode]) or "none"
+            raise KilnError(f"recompute option {', '.join(map(repr, unknown))} is not one kiln's {mode!r} "
+                            f"planner takes (it takes: {takes})")
         if mode == "auto":
             plan = _recompute_auto.plan_auto(context, budget, opts, _resolve_budget)
         else:
-            plan = _recompute.plan_modes(context, mode)
+            plan = _recompute.plan_modes(context, mode, opts)
         plan = attrs.evolve(plan, seconds=time.perf_counter() - t0)
     return plan
 

@@ -191,10 +191,31 @@ def kiln_register_model_sources(registry: NamedRegistry[Any]) -> None:
         ``batch``, ``seq``, ``passes``, ...; ``{}`` for none). ``config`` is the ``--config``
         JSON object, or None; a source that takes none raises a ``KilnError`` when given one.
         kiln-core reads IR ``.json`` files; kiln-dsl its registered model names; kiln-hf
-        checkpoint folders and ``kiln train`` configs. The first source (in registration order)
-        that claims ``arg`` reads it.
+        checkpoint folders and ``kiln train`` configs; kiln-dsl-text text-DSL files. The first
+        source (in registration order) that claims ``arg`` reads it. A source that also has
+        ``model_class(arg, base)`` (the kiln-dsl class of the model, a relative path relative to
+        ``base``) lets ``kiln train`` train that model from scratch (``[model] name = arg``).
 
     Every implementation is called; return values are ignored.
+
+    .. versionadded:: 0.5
+    """
+
+
+@hookspec(firstresult=True)
+def kiln_step_time(program: Any, device: str) -> Any:
+    """Predict the time of one training step of a compiled Program on a device.
+
+    :param program: The compiled training ``Program`` (``kiln.core.compile``), its shapes bound:
+        its steps, their ops and attributes, the shapes of its tensors and its precision recipe.
+    :param device: The device named on the command line (``kiln plan --device NAME``), lower
+        case, e.g. ``"h100"``.
+
+    Return an object with ``seconds`` (the predicted step time) and ``table()`` (the text
+    ``kiln plan`` prints: how the time divides between ops), or None when the plugin does not
+    know the device. Stops at the first non-None result (``firstresult``); when every
+    implementation returns None, ``kiln plan --device`` is an error naming the device.
+    kiln-kernels-cuda answers for NVIDIA GPUs with a roofline from kiln's op costs.
 
     .. versionadded:: 0.5
     """

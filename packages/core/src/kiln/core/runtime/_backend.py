@@ -77,6 +77,11 @@ class Backend(Protocol):
       (``"fused_lm_head_loss_and_grad"``), which ``compile`` may plan for it;
     - ``kernel_fallback``: another backend whose kernels it can run (a host backend), or None;
       ``reference``: whether ops without a kernel run their reference semantics (``OpDef.kernel``).
+
+    Optional: ``workspace_bytes(program, kernels) -> Mapping[int, int]``, the bytes of temporaries each
+    step's kernel needs (by step index; the NumPy backend declares none). ``compile`` places each as a
+    slot ``workspace.<index>`` (kind ``workspace``) of the arena, live during its step alone, so the
+    planned peak covers them and the backend allocates nothing beside the arena.
     """
 
     name: str

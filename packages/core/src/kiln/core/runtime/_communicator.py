@@ -57,7 +57,11 @@ class Communicator(Protocol):
 class DataParallel(Protocol):
     """What a Model trained by data parallelism needs (kiln-dist's ``DataParallel`` is one): the
     communicator of its ranks, and this rank's :class:`~kiln.core.runtime.SyncPlan` for the trained
-    parameters (key and shape, in the model's order), the same for every Program of the model."""
+    parameters (key and shape, in the model's order), the same for every Program of the model.
+
+    A ``plan`` that also takes a keyword ``module_ir`` receives the :class:`~kiln.core.ir.Bundle` the
+    model trains, after its graph passes (a tensor-parallel plan reads there which parameters its pass
+    sliced); a ``plan(trained)`` is called as it is."""
 
     @property
     def communicator(self) -> Communicator: ...

@@ -5,7 +5,8 @@ it then allocates only what reference kernels allocate for their results (copied
 slot and freed at once); steps with an ``out=`` kernel from the kernel table (matmuls through BLAS,
 elementwise ufuncs) write into their slot directly, and views cost nothing. Fusions the Program
 planned (the LM head's loss and backward as one pass) replace their steps when the steps run
-together.
+together. Offloaded activations live in a host pool of the Executable's own, apart from the arena:
+the forward copies them out after their last use there, the backward copies them back.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class NumpyBackend:
     name = "numpy"
     device = "cpu"
     dtypes = ("float32", "float64")
-    capabilities = frozenset({FUSED_HEAD})
+    capabilities = frozenset({FUSED_HEAD, "host_offload"})
+    #: precision recipes it runs (``bf16`` emulated with ml_dtypes: :mod:`._precision`)
+    precisions = ("fp32", "bf16")
     kernel_fallback: str | None = None
     reference = True
 
@@ -71,10 +74,13 @@ class Executable:
         from kiln.core.plugins._session import get_registry
 
         self.program, self.arena = program, arena
+        #: offloaded activations wait here for the backward: host memory outside the arena (the device)
+        self.host = np.zeros(program.host_bytes, np.uint8)
         self.registry: OpRegistry = registry if registry is not None else get_registry("ops")  # type: ignore[assignment]
         self.kernels = kernels if kernels is not None else get_registry("kernels")
         self.views: dict[str, np.ndarray] = {
-            k: NumpyBackend.view(arena, t.offset, t.shape, t.dtype) for k, t in program.tensors.items()
+            k: NumpyBackend.view(self.host if t.pool == "host" else arena, t.offset, t.shape, t.dtype)
+            for k, t in program.tensors.items()
         }
         self.hyper: dict[str, Any] = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0,
                                       "optimizer": program.optimizer}
@@ -83,8 +89,28 @@ class Executable:
         for step, fn in closures:
             if fn is not None:
                 self.runs.setdefault(step.phase, []).append(fn)
-        #: forward + backward with the Program's fusions in place of the steps they replace
-        self.train_runs = self._fused(closures)
+        #: forward + backward with the Program's fusions in place of the steps they replace (the
+        #: fused LM-head pass computes in float32: a low-precision recipe runs its two steps)
+        self.train_runs = None if program.precision.lowers else self._fused(closures)
+        self._closures = closures
+        #: ``watch(step, seconds)``, called after every step when set (a Model's run-time annotations:
+        #: hooks, probes, asserts, trace); the steps then run one by one, unfused
+        self.watch: Callable[[Step, float], None] | None = None
+
+    def _run_watched(self, phases: Sequence[str]) -> None:
+        import time
+
+        watch = self.watch
+        assert watch is not None
+        with blas_held_to_one_thread():
+            for phase in phases:
+                for step, fn in self._closures:
+                    if step.phase != phase:
+                        continue
+                    start = time.perf_counter()
+                    if fn is not None:
+                        fn()
+                    watch(step, time.perf_counter() - start)
 
     # -- the Executable protocol
 
@@ -94,6 +120,9 @@ class Executable:
         ``optimizer`` (its schedule and clipping; default: the Program's)."""
         self.hyper.update(hyper or {})
         phases = list(phases)
+        if self.watch is not None:
+            self._run_watched(phases)
+            return {k: float(self.hyper[k]) for k in ("grad_norm", "lr", "scale")}
         with blas_held_to_one_thread():  # kernels cut their work over kiln's threads instead
             if self.train_runs is not None and phases[:2] == ["forward", "backward"]:
                 for fn in self.train_runs:
@@ -156,14 +185,16 @@ class Executable:
         where = f"step {step.index} ({step.op.type} -> {', '.join(o for o in step.outputs if o)})"
         if step.how == "alias":
             return None
-        if step.how == "copy":
+        if step.how in ("copy", "offload", "fetch"):
             src, dst = ins[0], outs[0]
             assert src is not None and dst is not None
-            return lambda: np.copyto(dst, src.reshape(dst.shape))
+            return lambda: np.copyto(dst, src.reshape(dst.shape), casting="unsafe")  # bf16 <-> fp32 too
         opdef = self.registry.get_op(step.op.type)
         kernel = self._kernel(step, opdef)
         if step.how == "optimizer":
             return optimizer_step(step.op.type, kernel, [a for a in ins if a is not None], self.hyper, kw)
+        if self.program.precision.lowers:
+            return self._emulated(step, opdef, kernel, ins, outs, kw, where)
         if opdef.random and "offset" in kw:
             return self._random_closure(step, kernel, ins, outs, kw)
         if step.how == "out":
@@ -188,6 +219,22 @@ class Executable:
                 np.copyto(o, r)
 
         return run_kernel
+
+    def _emulated(self, step: Step, opdef: OpDef, kernel: Callable[..., Any], ins: Arrays, outs: Arrays,
+                  kw: dict[str, Any], where: str) -> Callable[[], None]:
+        """The step under a low-precision recipe, its rounding emulated (:func:`._precision.emulated`)."""
+        from kiln.core.backends.numpy._precision import emulated
+
+        hyper, layer = self.hyper, step.layer or 0
+
+        def attrs() -> dict[str, Any]:
+            if opdef.random and "offset" in kw:
+                return {**kw, "offset": counter_offset(int(kw["offset"]), layer, int(hyper["step"]))}
+            return kw
+
+        overlap = any(a < d and c < b for a, b in self._ranges(step.outputs)
+                      for c, d in self._ranges(step.inputs))
+        return emulated(self.program, step, opdef, kernel, ins, outs, attrs, overlap, self.arena, where)
 
     def _random_closure(self, step: Step, kernel: Callable[..., Any], ins: Arrays, outs: Arrays,
                         kw: dict[str, Any]) -> Callable[[], None]:

@@ -29,3 +29,18 @@ def kiln_register_kernels(registry: Any) -> None:
             registry.register_kernel(op.opdef.name, "numpy", "*", op.opdef.kernel)
     registry.register_kernel("fused_lm_head_loss_and_grad", "numpy", "*", fused_lm_head_loss_and_grad,
                              out=True)
+    # the bf16 recipe's LM head, whose rounding points lie inside the op (kiln.core.plan._precision)
+    from kiln.core.backends.numpy._precision import fused_lm_head_loss_backward_bf16, fused_lm_head_loss_bf16
+
+    registry.register_kernel("fused_lm_head_loss", "numpy", "bfloat16", fused_lm_head_loss_bf16)
+    registry.register_kernel("fused_lm_head_loss_backward", "numpy", "bfloat16",
+                             fused_lm_head_loss_backward_bf16)
+    # ... and the points autocast has inside kiln's fused swiglu, q/k norm + rope and attention
+    from kiln.core.backends.numpy import _precision as bf16
+
+    for name, fn in (("swiglu", bf16.swiglu_bf16), ("swiglu_backward", bf16.swiglu_backward_bf16),
+                     ("qkv_qk_norm_rope", bf16.qkv_qk_norm_rope_bf16),
+                     ("qkv_qk_norm_rope_backward", bf16.qkv_qk_norm_rope_backward_bf16),
+                     ("flash_attention", bf16.flash_attention_bf16),
+                     ("flash_attention_backward", bf16.flash_attention_backward_bf16)):
+        registry.register_kernel(name, "numpy", "bfloat16", fn)

@@ -12,18 +12,22 @@ if TYPE_CHECKING:
 def core_ops() -> list[CoreOp]:
     from kiln.core.ops.library import (
         _attention,
+        _cast,
         _elementwise,
         _linalg,
         _loss,
+        _mamba,
         _math,
         _moe,
         _norms,
         _optimizer,
+        _rope_freqs,
         _router,
         _tensor,
     )
 
-    modules = (_linalg, _elementwise, _math, _norms, _attention, _tensor, _loss, _moe, _router, _optimizer)
+    modules = (_linalg, _elementwise, _math, _norms, _attention, _rope_freqs, _tensor, _loss, _moe, _router,
+               _optimizer, _mamba, _cast)
     return [op for module in modules
             for op in module.CORE_OPS]
 

@@ -8,7 +8,9 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
   its transpose). ``lse`` is ``[B, Hq, Tq]``; rstd outputs are ``[B, T, H]``.
 * RoPE is ``rotate_half``: each head's first ``rotary_dim`` dims split into halves ``[x1 | x2]``
   (pairs ``(i, i + rotary_dim / 2)``), ``out = x * cos + [-x2 | x1] * sin``; dims past
-  ``rotary_dim`` pass through. Angles are ``position * inv_freq`` with
+  ``rotary_dim`` pass through. ``interleaved=True`` takes GPT-J's layout instead: pairs
+  ``(2i, 2i + 1)`` (``rotate_every_two``), each rotated by the angle of frequency ``i``. Angles are
+  ``position * inv_freq`` with
   ``inv_freq = 1 / theta ** (arange(0, rotary_dim, 2) / rotary_dim)``. A ``freqs`` table
   ``[MaxSeq, rotary_dim // 2, 2]`` of (cos, sin) rows, indexed by position, replaces that formula
   (scaled RoPE variants build their own table, attention scaling folded in). ``inverse=True``
@@ -20,10 +22,10 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
   including the query's own) and, when not causal, also ``j < p + w`` (flash-attn's
   ``window_size=(w - 1, w - 1)``). A fully masked query row gives ``out = 0`` and ``lse = +inf`` (as
   flash-attn), so the backward's ``exp(s - lse)`` is 0 there.
-* ``attention`` (separate q, k, v) also takes ``softcap = c``: scores become ``c * tanh(s / c)`` (Gemma-2's
-  logit soft-capping), and ``alibi``: head ``h`` adds ``-slope_h * |p - j|`` to its scores (flash-attn's
-  ALiBi), with the slopes of ALiBi's paper (``2 ** (-8 i / n)``, :func:`alibi_slopes`). Capping comes first,
-  then the bias, then the masks.
+* ``attention`` (separate q, k, v) and ``flash_attention`` (packed qkv) also take ``softcap = c``:
+  scores become ``c * tanh(s / c)`` (Gemma-2's logit soft-capping), and ``alibi``: head ``h`` adds
+  ``-slope_h * |p - j|`` to its scores (flash-attn's ALiBi), with the slopes of ALiBi's paper
+  (``2 ** (-8 i / n)``, :func:`alibi_slopes`). Capping comes first, then the bias, then the masks.
 * ``segment_ids: [B, Tk]`` (optional, int) restricts attention to keys of the query's own segment:
   query ``i`` sees key ``j`` only when ``segment_ids[b, p] == segment_ids[b, j]``. Packed documents
   are segments 1, 2, ...; padding is its own segment (0), so real tokens never see it (HF's
@@ -50,6 +52,7 @@ from kiln.core.ops.library._norms import rms_rstd, rmsnorm_grad_rows
 _ROPE_ATTRS = (
     AttrSpec("rotary_dim", "dim", None),
     AttrSpec("theta", "float", 10000.0),
+    AttrSpec("interleaved", "bool", False),
 )
 _ATTN_ATTRS = (
     AttrSpec("causal", "bool", True),
@@ -88,15 +91,23 @@ def rope_tables(freqs: np.ndarray | None, position_ids: np.ndarray, rotary_dim: 
     return np.cos(angle), np.sin(angle)
 
 
+def _pairs(h: int, interleaved: bool) -> tuple[slice, slice]:
+    """The two members of the rotated pairs among a head's first ``2 h`` dims: the halves, or (GPT-J)
+    the even and the odd dims."""
+    return (slice(0, 2 * h, 2), slice(1, 2 * h, 2)) if interleaved else (slice(0, h), slice(h, 2 * h))
+
+
 def rope_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray,
-              inverse: bool = False) -> None:
+              inverse: bool = False, interleaved: bool = False) -> None:
     """Rotate ``x: [B, T, H, D]`` with tables ``[T or B, T, rotary_dim // 2]`` into ``out`` (which may be
-    ``x``): ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]`` on the first rotary_dim dims."""
+    ``x``): ``[x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin]`` on the first rotary_dim dims (``x1``,
+    ``x2`` the even and odd dims when ``interleaved``)."""
     h = cos.shape[-1]
     c, s = cos[..., None, :], sin[..., None, :]
     if inverse:
         s = -s
-    x1, x2, o1, o2 = x[..., :h], x[..., h:2 * h], out[..., :h], out[..., h:2 * h]
+    a, b = _pairs(h, interleaved)
+    x1, x2, o1, o2 = x[..., a], x[..., b], out[..., a], out[..., b]
     x1_s, x2_s = x1 * s, x2 * s  # before out (perhaps x) is written
     np.multiply(x1, c, out=o1)
     o1 -= x2_s
@@ -106,7 +117,7 @@ def rope_into(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray,
         out[..., 2 * h:] = x[..., 2 * h:]
 
 
-def _rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
+def check_rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
     rd = head_dim if rotary_dim is None else rotary_dim
     if rd % 2 or not 0 < rd <= head_dim:
         raise OpError(f"op {op!r}: rotary_dim must be even and in (0, {head_dim}], found {rd}", op=op)
@@ -114,14 +125,14 @@ def _rotary_dim(rotary_dim: int | None, head_dim: int, op: str) -> int:
 
 
 def _rope_out(x: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, head_dim: int,
-              rotary_dim: int | None, theta: float, inverse: bool) -> None:
+              rotary_dim: int | None, theta: float, inverse: bool, interleaved: bool = False) -> None:
     b, t, f = x.shape
     if f % head_dim:
         raise OpError(f"op 'rope': last dim {f} is not a multiple of head_dim {head_dim}", op="rope")
-    rd = _rotary_dim(rotary_dim, head_dim, "rope")
+    rd = check_rotary_dim(rotary_dim, head_dim, "rope")
     cos, sin = rope_tables(freqs, position_ids, rd, theta, x.dtype, "rope")
     heads = (b, t, f // head_dim, head_dim)
-    rope_into(x.reshape(heads), cos, sin, view(out[0], heads), inverse)  # type: ignore[arg-type]
+    rope_into(x.reshape(heads), cos, sin, view(out[0], heads), inverse, interleaved)  # type: ignore[arg-type]
 
 
 def _rope(x: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> np.ndarray:
@@ -173,6 +184,9 @@ def _rope_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((x, None, rng.integers(0, 9, (2, 3))), {"head_dim": 4, "rotary_dim": 2, "theta": 10.0})
     yield Sample((randn(rng, 2, 3, 12), randn(rng, 6, 2, 2), rng.integers(0, 6, (2, 3))), {"head_dim": 6,
                                                                                           "rotary_dim": 4})
+    yield Sample((x, None, pos), {"head_dim": 4, "theta": 100.0, "interleaved": True})
+    yield Sample((randn(rng, 2, 3, 12), randn(rng, 6, 2, 2), rng.integers(0, 6, (2, 3))),
+                 {"head_dim": 6, "rotary_dim": 4, "interleaved": True, "inverse": True})
 
 
 def _rope_cost(shapes: Sequence[tuple[int, ...]], attrs: Any) -> Cost:
@@ -204,31 +218,35 @@ def _at(table: np.ndarray, position_ids: np.ndarray, i: int, r: slice) -> np.nda
     return table[r] if position_ids.ndim == 1 else table[i, r]
 
 
-def _wide_tables(cos: np.ndarray, sin: np.ndarray, heads: int, d: int,
-                 weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _wide_tables(cos: np.ndarray, sin: np.ndarray, heads: int, d: int, weight: np.ndarray | None = None,
+                 interleaved: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """RoPE as ``out = x * C + swap(x) * S`` over whole rows of ``heads`` heads (``[..., heads * d]``,
     :func:`_rotate`), where ``swap`` exchanges each head's two rotary halves: ``C = [cos | cos | 1]``,
     ``S = [-sin | sin | 0]`` per head, times ``weight`` (C) and its swap (S) when a norm weight
     is folded in. Whole-row tables keep the ufunc loops long (the halves alone are short strided
-    runs)."""
+    runs). ``interleaved``: the pairs are (even, odd) dims instead of the halves (:func:`_pairs`)."""
     h = cos.shape[-1]
-    lead = cos.shape[:-1]
-    c = np.concatenate([cos, cos, np.ones((*lead, d - 2 * h), cos.dtype)], axis=-1)
-    s = np.concatenate([-sin, sin, np.zeros((*lead, d - 2 * h), sin.dtype)], axis=-1)
+    a, b = _pairs(h, interleaved)
+    c, s = np.ones((*cos.shape[:-1], d), cos.dtype), np.zeros((*sin.shape[:-1], d), sin.dtype)
+    c[..., a], c[..., b], s[..., a], s[..., b] = cos, cos, -sin, sin
     if weight is not None:
         c *= weight
-        s *= np.concatenate([weight[h:2 * h], weight[:h], weight[2 * h:]])
+        swapped = weight.copy()
+        swapped[a], swapped[b] = weight[b], weight[a]
+        s *= swapped
     return np.tile(c, heads), np.tile(s, heads)
 
 
 def _rotate(x: np.ndarray, c: np.ndarray, s: np.ndarray, out: np.ndarray, tmp: np.ndarray, heads: int,
-            h: int, inverse: bool = False) -> np.ndarray:
+            h: int, inverse: bool = False, interleaved: bool = False) -> np.ndarray:
     """``out = x * c + swap(x) * s`` (``-`` with ``inverse``) over rows ``[n, heads * d]``, where
-    ``swap`` exchanges each head's halves [0, h) and [h, 2h); ``tmp`` is scratch of x's shape."""
+    ``swap`` exchanges the members of each head's pairs (:func:`_pairs`); ``tmp`` is scratch of x's
+    shape."""
     n = x.shape[0]
     x3, s3, t3 = x.reshape(n, heads, -1), s.reshape(n, heads, -1), tmp.reshape(n, heads, -1)
-    np.multiply(x3[..., h:2 * h], s3[..., :h], out=t3[..., :h])
-    np.multiply(x3[..., :h], s3[..., h:2 * h], out=t3[..., h:2 * h])
+    a, b = _pairs(h, interleaved)
+    np.multiply(x3[..., b], s3[..., a], out=t3[..., a])
+    np.multiply(x3[..., a], s3[..., b], out=t3[..., b])
     if t3.shape[-1] > 2 * h:
         t3[..., 2 * h:] = 0  # the sine is 0 past the rotary dims
     np.multiply(x, c, out=out)
@@ -241,7 +259,7 @@ def _rotate(x: np.ndarray, c: np.ndarray, s: np.ndarray, out: np.ndarray, tmp: n
 
 def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: np.ndarray | None,
              freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Outs, Hq: int, Hkv: int, D: int,
-             eps: float, theta: float, rotary_dim: int | None) -> None:
+             eps: float, theta: float, rotary_dim: int | None, interleaved: bool = False) -> None:
     """q and k: ``rope(x * rstd * weight)`` computed as ``rstd * (x * C + swap(x) * S)`` with the
     weight folded into the tables (:func:`_wide_tables`); v copied. Pieces run on the backend's
     threads."""
@@ -249,10 +267,10 @@ def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: n
     b, t, f = qkv.shape
     qkv_out, q_rstd, k_rstd = or_scratch(out, [qkv.shape, (b, t, Hq), (b, t, Hkv)], qkv.dtype)
     _split_qkv(qkv, Hq, Hkv, D, op)  # checks the layout
-    cos_t, sin_t = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    cos_t, sin_t = rope_tables(freqs, position_ids, check_rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
     h = cos_t.shape[-1]
     parts = ((0, Hq, q_norm_weight, q_rstd), (Hq * D, Hkv, k_norm_weight, k_rstd))
-    tables = [_wide_tables(cos_t, sin_t, heads, D, w) for _, heads, w, _ in parts]
+    tables = [_wide_tables(cos_t, sin_t, heads, D, w, interleaved) for _, heads, w, _ in parts]
 
     def piece(p: tuple[int, slice]) -> None:
         i, r = p
@@ -261,7 +279,8 @@ def _qkv_out(qkv: np.ndarray, q_norm_weight: np.ndarray | None, k_norm_weight: n
             x, o = qkv[i, r, cols], qkv_out[i, r, cols]
             n = x.shape[0]
             tmp = scratch("qkv_rope", n * heads * D, qkv.dtype).reshape(n, heads * D)
-            _rotate(x, _at(c, position_ids, i, r), _at(s, position_ids, i, r), o, tmp, heads, h)
+            _rotate(x, _at(c, position_ids, i, r), _at(s, position_ids, i, r), o, tmp, heads, h,
+                    interleaved=interleaved)
             if w is None:
                 rstd[i, r] = 1
             else:
@@ -305,20 +324,20 @@ def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: n
                  k_norm_weight: np.ndarray | None, freqs: np.ndarray | None, position_ids: np.ndarray,
                  q_rstd: np.ndarray, k_rstd: np.ndarray, d_q_rstd: np.ndarray | None = None,
                  d_k_rstd: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int, D: int,
-                 eps: float, theta: float, rotary_dim: int | None) -> None:
+                 eps: float, theta: float, rotary_dim: int | None, interleaved: bool = False) -> None:
     op = "qkv_qk_norm_rope_backward"
     d_qkv, d_qw, d_kw = or_scratch(out, [qkv.shape, (D,), (D,)], qkv.dtype)
     b, t = qkv.shape[:2]
     q, k, _ = _split_qkv(qkv, Hq, Hkv, D, op)
     d_q, d_k, d_v = _split_qkv(np.zeros_like(qkv) if d_qkv_out is None else d_qkv_out, Hq, Hkv, D, op)
     g_q, g_k, g_v = _split_qkv(d_qkv, Hq, Hkv, D, op)
-    cos_t, sin_t = rope_tables(freqs, position_ids, _rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
+    cos_t, sin_t = rope_tables(freqs, position_ids, check_rotary_dim(rotary_dim, D, op), theta, qkv.dtype, op)
     h = cos_t.shape[-1]
     pieces = _qkv_pieces(b, t, qkv.shape[2])
     grads = np.empty((len(pieces), 2, D), qkv.dtype)  # each piece's share of the two norm weights' grads
     parts = ((q, d_q, q_norm_weight, q_rstd, d_q_rstd, g_q, Hq, 0),
              (k, d_k, k_norm_weight, k_rstd, d_k_rstd, g_k, Hkv, 1))
-    tables = [_wide_tables(cos_t, sin_t, heads, D) for *_, heads, _ in parts]
+    tables = [_wide_tables(cos_t, sin_t, heads, D, interleaved=interleaved) for *_, heads, _ in parts]
 
     def piece(n: int) -> None:
         i, r = pieces[n]
@@ -327,7 +346,7 @@ def _qkv_bwd_out(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: n
             dy2, g2 = dy[i, r].reshape(rows, heads * D), view(g[i, r], (rows, heads * D))
             tmp = scratch("qkv_rope", rows * heads * D, qkv.dtype).reshape(rows, heads * D)
             cr, sr = _at(c, position_ids, i, r), _at(s, position_ids, i, r)
-            _rotate(dy2, cr, sr, g2, tmp, heads, h, inverse=True)  # the inverse rotation
+            _rotate(dy2, cr, sr, g2, tmp, heads, h, inverse=True, interleaved=interleaved)  # rotate back
             if w is None:  # no norm: the rstd output is constant ones
                 grads[n, j] = 0
             else:
@@ -359,13 +378,17 @@ def _qkv_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((qkv, randn(rng, 4), None, None, pos), {**heads, "rotary_dim": 2, "eps": 0.1})
     yield Sample((randn(rng, 1, 3, 24), None, randn(rng, 4), randn(rng, 5, 2, 2), pos),
                  {"Hq": 2, "Hkv": 2, "D": 4})
+    yield Sample((qkv, randn(rng, 4), randn(rng, 4), None, pos),
+                 {**heads, "theta": 50.0, "interleaved": True})
+    yield Sample((randn(rng, 1, 3, 36), randn(rng, 6), None, None, pos),
+                 {"Hq": 2, "Hkv": 2, "D": 6, "rotary_dim": 4, "interleaved": True})
 
 
 def _qkv_bwd_samples(rng: np.random.Generator) -> Iterator[Sample]:
     for s in _qkv_samples(rng):
         qkv, *rest = s.inputs
         assert qkv is not None
-        heads = {"eps": 1e-6, "theta": 10000.0, "rotary_dim": None, **s.attrs}
+        heads = {"eps": 1e-6, "theta": 10000.0, "rotary_dim": None, "interleaved": False, **s.attrs}
         _, q_rstd, k_rstd = _qkv_norm_rope(qkv, *rest, **heads)
         d_rstd = [randn(rng, *q_rstd.shape), randn(rng, *k_rstd.shape)]
         for d_out, extra in ((randn(rng, *qkv.shape), [None, None]), (None, d_rstd),
@@ -683,18 +706,24 @@ def _attn_cost(b: int, tq: int, tk: int, hq_d: int, causal: bool, io: float, fac
 
 
 def _flash_out(qkv: np.ndarray, segment_ids: np.ndarray | None = None, *, out: Outs, Hq: int, Hkv: int,
-               D: int, causal: bool, softmax_scale: float | None, window_size: int | None) -> None:
+               D: int, causal: bool, softmax_scale: float | None, window_size: int | None,
+               softcap: float | None = None, alibi: bool = False) -> None:
     b, t = qkv.shape[:2]
     o, lse = or_scratch(out, [(b, t, Hq * D), (b, Hq, t)], qkv.dtype)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, "flash_attention")
     _attn_forward(q, k, v, view(o, (b, t, Hq, D)), lse, causal, softmax_scale, window_size, "flash_attention",
-                  segment_ids)
+                  segment_ids, softcap, alibi)
 
 
 def _flash(qkv: np.ndarray, *inputs: np.ndarray | None, **attrs: Any) -> tuple[np.ndarray, ...]:
     b, t = qkv.shape[:2]
     return allocating(_flash_out, [(b, t, attrs["Hq"] * attrs["D"]), (b, attrs["Hq"], t)], qkv, *inputs,
                       **attrs)
+
+
+def _check_softcap(ctx: InferContext) -> None:
+    if ctx.attrs["softcap"] is not None and ctx.attrs["softcap"] <= 0:
+        raise ctx.fail(f"softcap must be > 0, found {ctx.attrs['softcap']}")
 
 
 def _check_segment_input(ctx: InferContext, i: int, b: DimExpr, t: DimExpr) -> None:
@@ -718,6 +747,7 @@ def _flash_infer(ctx: InferContext) -> list[TensorType]:
     _check_heads(ctx, hq, hkv)
     b, t = x[:2]
     _check_segment_input(ctx, 1, b, t)
+    _check_softcap(ctx)
     return [TensorType((b, t, hq * d), ctx.dtype(0)), TensorType((b, hq, t), "fp32")]
 
 
@@ -732,14 +762,14 @@ def _flash_backward(ctx: BackwardContext) -> list[str | None]:
 def _flash_bwd_out(d_out: np.ndarray | None, qkv: np.ndarray, o: np.ndarray, lse: np.ndarray,
                    d_lse: np.ndarray | None = None, segment_ids: np.ndarray | None = None, *, out: Outs,
                    Hq: int, Hkv: int, D: int, causal: bool, softmax_scale: float | None,
-                   window_size: int | None) -> None:
+                   window_size: int | None, softcap: float | None = None, alibi: bool = False) -> None:
     op = "flash_attention_backward"
     (d_qkv,) = or_scratch(out, [qkv.shape], qkv.dtype)
     heads = (*qkv.shape[:2], Hq, D)
     q, k, v = _split_qkv(qkv, Hq, Hkv, D, op)
     dq, dk, dv = _split_qkv(d_qkv, Hq, Hkv, D, op)
     _attn_backward(None if d_out is None else d_out.reshape(heads), q, k, v, o.reshape(heads), lse, d_lse,
-                   dq, dk, dv, causal, softmax_scale, window_size, op, segment_ids)
+                   dq, dk, dv, causal, softmax_scale, window_size, op, segment_ids, softcap, alibi)
 
 
 def _flash_bwd_kernel(d_out: np.ndarray | None, qkv: np.ndarray, *rest: Any, **attrs: Any) -> np.ndarray:
@@ -760,6 +790,12 @@ def _flash_samples(rng: np.random.Generator) -> Iterator[Sample]:
     packed = np.array([[1, 1, 2, 2], [0, 0, 1, 1]])  # two documents; left padding
     yield Sample((qkv, packed), heads)
     yield Sample((qkv, packed), {**heads, "causal": False})
+    # logit soft-capping and ALiBi (3 query heads: slopes beyond a power of two)
+    qkv3 = randn(rng, 2, 4, 10) * 2
+    heads3 = {"Hq": 3, "Hkv": 1, "D": 2}
+    yield Sample((qkv3,), {**heads3, "softcap": 1.5})
+    yield Sample((qkv3,), {**heads3, "alibi": True, "causal": False})
+    yield Sample((qkv3, packed), {**heads3, "softcap": 0.8, "alibi": True, "window_size": 3})
 
 
 def _backward_samples(forward: Any, samples: Any, n_in: int) -> Any:
@@ -809,8 +845,7 @@ def _attention_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, (q[0], q[3]), (k[0], k[3]), "q and k differ in batch or head dim")
     _check_heads(ctx, q[2], k[2])
     _check_segment_input(ctx, 3, k[0], k[1])
-    if ctx.attrs["softcap"] is not None and ctx.attrs["softcap"] <= 0:
-        raise ctx.fail(f"softcap must be > 0, found {ctx.attrs['softcap']}")
+    _check_softcap(ctx)
     return [TensorType(q, ctx.dtype(0)), TensorType((q[0], q[2], q[1]), "fp32")]
 
 
@@ -899,16 +934,18 @@ CORE_OPS = [
     ),
     core_op(
         "flash_attention", ("qkv", "segment_ids?"), ("out", "lse"), _flash, _flash_infer,
-        backward=_flash_backward, attrs=(*_HEADS, *_ATTN_ATTRS), samples=_flash_samples,
+        backward=_flash_backward, attrs=(*_HEADS, *_ATTN_ATTRS, *_SCORE_ATTRS), samples=_flash_samples,
         cost=_flash_cost(0, 1.0), out_kernel=_flash_out, nondiff_inputs={1},
         flop_heavy=True,
         doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window, "
-            "segments: packed documents and padding): out [B, T, Hq * D] and lse [B, Hq, T].",
+            "segments: packed documents and padding; softcap and alibi as attention's): out [B, T, Hq * D] "
+            "and lse [B, Hq, T].",
     ),
     core_op(
         "flash_attention_backward", ("d_out?", "qkv", "out", "lse", "d_lse?", "segment_ids?"), ("d_qkv",),
         _flash_bwd_kernel,
-        _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS), cost=_flash_cost(1, 2.5), out_kernel=_flash_bwd_out,
+        _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS, *_SCORE_ATTRS), cost=_flash_cost(1, 2.5),
+        out_kernel=_flash_bwd_out,
         samples=_backward_samples(_flash, _flash_samples, 1),
         doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
     ),

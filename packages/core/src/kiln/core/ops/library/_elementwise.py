@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.core._threads import parallel, row_blocks, scratch
-from kiln.core.ir._dims import Const, Shape, dims_equal, parse_dim, parse_shape, simplify
+from kiln.core.ir._dims import Const, DimExpr, Shape, dims_equal, parse_dim, parse_shape, simplify
 from kiln.core.ir._ir import TensorType
 from kiln.core.ops._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample, no_gradient
 from kiln.core.ops.library._common import check_same, core_op, randn, same_as
@@ -127,7 +127,7 @@ def _broadcast_to_samples(rng: np.random.Generator) -> Iterator[Sample]:
 
 
 def _ufunc_out(ufunc: np.ufunc) -> Callable[..., None]:
-    """An ``out_kernel`` for a binary op that is one ufunc (``b`` broadcasts to ``a``)."""
+    """An ``out_kernel`` for a binary op that is one ufunc (``out`` has the broadcast shape)."""
 
     def kernel(a: Array, b: Array, *, out: Sequence[Array]) -> None:
         ufunc(a, b, out=out[0])
@@ -139,23 +139,43 @@ def _scale_out(x: Array, *, factor: float, out: Sequence[Array]) -> None:
     np.multiply(x, factor, out=out[0])
 
 
+def broadcast_shapes(ctx: InferContext, a: Shape, b: Shape, what: str = "a and b") -> Shape:
+    """The NumPy broadcast of two symbolic shapes: aligned from the right, a dim of 1 (or a missing one)
+    takes the other's size; anything else must be the same dim."""
+    out: list[DimExpr] = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x, y = (a[-i] if i <= len(a) else None), (b[-i] if i <= len(b) else None)
+        if y is not None and (x is None or _is_one(x)):
+            out.append(y)
+        elif x is not None and (y is None or _is_one(y) or dims_equal(x, y)):
+            out.append(x)
+        else:
+            raise ctx.fail(f"{what} do not broadcast: [{', '.join(map(str, a))}] and "
+                           f"[{', '.join(map(str, b))}] differ in dim -{i} ({x} vs {y})")
+    return tuple(reversed(out))
+
+
+def _binary_cost(s: Sequence[tuple[int, ...]], a: Mapping[str, Any]) -> Cost:
+    n = max(_numel(s[0]), _numel(s[1]))  # the result's size: at least the larger operand's
+    return Cost(flops=float(n), bytes=4.0 * 3 * n)
+
+
 def _binary_infer(ctx: InferContext) -> list[TensorType]:
-    _check_broadcast(ctx, ctx.shape(1), ctx.shape(0), (), "b must have a's shape or broadcast to it")
-    return [TensorType(ctx.shape(0), ctx.dtype(0))]
+    return [TensorType(broadcast_shapes(ctx, ctx.shape(0), ctx.shape(1)), ctx.dtype(0))]
+
+
+def _unbroadcast(ctx: BackwardContext, grad: str, i: int) -> str:
+    """The gradient of a binary op's result summed back to the shape of its input ``i``."""
+    return _sum_to(ctx, grad, ctx.type_of(ctx.outputs[0]).shape, ctx.type_of(i).shape)
 
 
 def _add_backward(ctx: BackwardContext) -> Grads:
-    da = ctx.d_out if ctx.needs_grad(0) else None
-    db = _sum_to(ctx, ctx.d_out, ctx.type_of(0).shape, ctx.type_of(1).shape) if ctx.needs_grad(1) else None
-    return [da, db]
+    return [_unbroadcast(ctx, ctx.d_out, i) if ctx.needs_grad(i) else None for i in (0, 1)]
 
 
 def _mul_backward(ctx: BackwardContext) -> Grads:
-    da = ctx.emit("mul", ctx.d_out, ctx.saved(1)) if ctx.needs_grad(0) else None
-    db = None
-    if ctx.needs_grad(1):
-        d_ab = ctx.emit("mul", ctx.d_out, ctx.saved(0))
-        db = _sum_to(ctx, d_ab, ctx.type_of(0).shape, ctx.type_of(1).shape)
+    da = _unbroadcast(ctx, ctx.emit("mul", ctx.d_out, ctx.saved(1)), 0) if ctx.needs_grad(0) else None
+    db = _unbroadcast(ctx, ctx.emit("mul", ctx.d_out, ctx.saved(0)), 1) if ctx.needs_grad(1) else None
     return [da, db]
 
 
@@ -164,6 +184,8 @@ def _binary_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 3, 4, 5), randn(rng, 5)))
     yield Sample((randn(rng, 2, 4, 5), randn(rng, 4, 1)))
     yield Sample((randn(rng, 3, 4, 5), randn(rng, 1, 4, 1)))
+    yield Sample((randn(rng, 4, 1), randn(rng, 2, 4, 5)))  # both ways: each operand is broadcast
+    yield Sample((randn(rng, 5), randn(rng, 3, 1)))
 
 
 def _bias_add_infer(ctx: InferContext) -> list[TensorType]:
@@ -597,11 +619,11 @@ _AXIS = AttrSpec("axis", "int", -1)
 
 CORE_OPS = [
     core_op("add", ("a", "b"), ("out",), lambda a, b: a + b, _binary_infer, backward=_add_backward,
-          samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.add), inplace={0},
-          any_dtype=True, doc="out = a + b; b has a's shape or broadcasts to it (NumPy rules)."),
+          samples=_binary_samples, cost=_binary_cost, out_kernel=_ufunc_out(np.add), inplace={0},
+          any_dtype=True, doc="out = a + b, broadcast both ways (NumPy rules)."),
     core_op("mul", ("a", "b"), ("out",), lambda a, b: a * b, _binary_infer, backward=_mul_backward,
-          samples=_binary_samples, cost=_ew_cost(1, 3), out_kernel=_ufunc_out(np.multiply), inplace={0},
-          any_dtype=True, doc="out = a * b; b has a's shape or broadcasts to it (NumPy rules)."),
+          samples=_binary_samples, cost=_binary_cost, out_kernel=_ufunc_out(np.multiply), inplace={0},
+          any_dtype=True, doc="out = a * b, broadcast both ways (NumPy rules)."),
     core_op("scale", ("x",), ("out",), lambda x, *, factor: x * factor, same_as(), backward=_scale_backward,
           attrs=(AttrSpec("factor", "float"),), cost=_ew_cost(1, 2), out_kernel=_scale_out, inplace={0},
           samples=lambda rng: [Sample((randn(rng, 3, 4),), {"factor": -0.7})], doc="out = x * factor."),
@@ -665,9 +687,11 @@ CORE_OPS = [
           samples=lambda rng: [Sample((randn(rng, 3, 4), randn(rng, 3, 4) * 2, randn(rng, 3, 4)))],
           doc="d_gate = d_out * up * silu'(gate), d_up = d_out * silu(gate)."),
     core_op("softmax", ("x",), ("out",), _softmax, _softmax_infer, backward=_softmax_rule, attrs=(_AXIS,),
-          samples=_softmax_samples, cost=_ew_cost(5, 2), doc="out = exp(x) / sum(exp(x)) along axis."),
+          samples=_softmax_samples, cost=_ew_cost(5, 2), autocast="fp32",
+          doc="out = exp(x) / sum(exp(x)) along axis."),
     core_op("softmax_backward", ("d_out", "out"), ("d_x",), _softmax_backward, _same_shapes_infer(2),
-          attrs=(_AXIS,), cost=_ew_cost(4, 3), doc="d_x = out * (d_out - sum(d_out * out, axis))."),
+          attrs=(_AXIS,), cost=_ew_cost(4, 3), autocast="fp32",
+          doc="d_x = out * (d_out - sum(d_out * out, axis))."),
     # reductions
     core_op("reduce_sum", ("x",), ("out",), _reduce_kernel(np.sum), _reduce_infer, backward=_reduce_sum_rule,
           attrs=_REDUCE_ATTRS, samples=_reduce_samples, cost=_reduce_cost, any_dtype=True,

@@ -11,6 +11,7 @@ from kiln.core._threads import matmul_into
 from kiln.core.ir._ir import TensorType
 from kiln.core.ops._ops import AttrSpec, BackwardContext, Cost, InferContext, Sample
 from kiln.core.ops.library._common import check_same, core_op, randn
+from kiln.core.ops.library._elementwise import _sum_to, broadcast_shapes
 
 TRANSPOSES = ("NN", "NT", "TN", "TT")
 _MM_ATTRS = (
@@ -52,12 +53,12 @@ def _mm_infer(ctx: InferContext, batched: bool) -> list[TensorType]:
     t = ctx.attrs["transpose"]
     if not batched and (len(a) != 2 or len(b) != 2):
         raise ctx.fail(f"matmul takes 2-D operands, found ranks {len(a)} and {len(b)} (use batched_matmul)")
-    if len(a) < 2 or len(a) != len(b):
-        raise ctx.fail(f"operands need the same rank >= 2, found ranks {len(a)} and {len(b)}")
+    if len(a) < 2 or len(b) < 2:
+        raise ctx.fail(f"operands need rank >= 2, found ranks {len(a)} and {len(b)}")
     m, ka = (a[-1], a[-2]) if t[0] == "T" else (a[-2], a[-1])
     kb, n = (b[-1], b[-2]) if t[1] == "T" else (b[-2], b[-1])
     check_same(ctx, (ka,), (kb,), f"contraction dims differ (transpose={t})")
-    batch = a[:-2]
+    batch = broadcast_shapes(ctx, a[:-2], b[:-2], f"the batch dims of a {_text(a)} and b {_text(b)}")
     out = TensorType((*batch, m, n), ctx.dtype(0))
     if len(ctx.inputs) > 2 and ctx.inputs[2] is not None:
         check_same(ctx, ctx.shape(2), out.shape, "accumulator shape differs from the product")
@@ -84,9 +85,18 @@ def _mm_grads(ctx: BackwardContext, op: str, t: str, alpha: float) -> tuple[str 
     return da, db
 
 
+def _text(shape: Sequence[Any]) -> str:
+    return f"[{', '.join(map(str, shape))}]"
+
+
 def _mm_backward(ctx: BackwardContext, op: str = "matmul") -> list[str | None]:
     da, db = _mm_grads(ctx, op, ctx.attrs["transpose"], ctx.attrs["alpha"])
-    grads = [da, db]
+    # a broadcast operand's gradient comes out with the result's batch dims: sum it back over them
+    batch = ctx.type_of(ctx.outputs[0]).shape[:-2]
+    grads: list[str | None] = [
+        None if g is None else _sum_to(ctx, g, (*batch, *ctx.type_of(i).shape[-2:]), ctx.type_of(i).shape)
+        for i, g in enumerate((da, db))
+    ]
     if len(ctx.inputs) > 2:
         beta = ctx.attrs["beta"]
         dc = None
@@ -100,7 +110,8 @@ def _mm_backward(ctx: BackwardContext, op: str = "matmul") -> list[str | None]:
 def _mm_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Cost:
     a, b = shapes[0], shapes[1]
     k = a[-2] if attrs["transpose"][0] == "T" else a[-1]
-    n_out = int(np.prod(a[:-2] or (1,))) * (a[-1] if attrs["transpose"][0] == "T" else a[-2]) * \
+    batch = np.broadcast_shapes(a[:-2], b[:-2])
+    n_out = int(np.prod(batch or (1,))) * (a[-1] if attrs["transpose"][0] == "T" else a[-2]) * \
         (b[-2] if attrs["transpose"][1] == "T" else b[-1])
     return Cost(flops=2.0 * n_out * k, bytes=4.0 * (np.prod(a) + np.prod(b) + n_out))
 
@@ -121,6 +132,11 @@ def _bmm_samples(rng: np.random.Generator) -> Iterator[Sample]:
         a = randn(rng, 2, *((4, 3) if t[0] == "T" else (3, 4)))
         b = randn(rng, 2, *((5, 4) if t[1] == "T" else (4, 5)))
         yield Sample((a, b), {"transpose": t})
+    # batch dims broadcast both ways, as torch.matmul's do
+    yield Sample((randn(rng, 2, 1, 3, 4), randn(rng, 3, 4, 5)), {})
+    yield Sample((randn(rng, 3, 4), randn(rng, 2, 5, 4)), {"transpose": "NT"})
+    yield Sample((randn(rng, 1, 2, 4, 3), randn(rng, 3, 1, 4, 5), randn(rng, 3, 2, 3, 5)), {"transpose": "TN",
+                                                                                           "beta": 0.5})
 
 
 def _matmul_bias(x: np.ndarray, w: np.ndarray, bias: np.ndarray, *, transpose: str) -> np.ndarray:
@@ -152,7 +168,7 @@ CORE_OPS = [
         backward=lambda ctx: _mm_backward(ctx, "batched_matmul"), attrs=_MM_ATTRS, samples=_bmm_samples,
         cost=_mm_cost, out_kernel=_matmul_out,
         flop_heavy=True,
-        doc="matmul over leading batch dims (same batch dims on both operands).",
+        doc="matmul over leading batch dims, which broadcast both ways (NumPy/torch rules).",
     ),
     core_op(
         "matmul_bias", ("x", "w", "bias"), ("out",), _matmul_bias, _matmul_bias_infer,

@@ -101,7 +101,7 @@ def _embedding_samples(rng: np.random.Generator) -> Iterator[Sample]:
 # Targets equal to ignore_index become -1, which no chunk contains; their loss and gradient are 0.
 
 
-def _targets(targets: np.ndarray, v: int, ignore_index: int, op: str) -> np.ndarray:
+def loss_targets(targets: np.ndarray, v: int, ignore_index: int, op: str) -> np.ndarray:
     _check_ids(op, targets, v, ignore_index)
     return np.where(targets != ignore_index, targets, -1)
 
@@ -154,13 +154,13 @@ def _cotangents(d_loss: np.ndarray | None, d_lse: np.ndarray | None, t: np.ndarr
 
 def _cross_entropy(logits: np.ndarray, targets: np.ndarray, *, ignore_index: int) -> tuple[np.ndarray, ...]:
     n, v = logits.shape
-    t = _targets(targets, v, ignore_index, "cross_entropy")
+    t = loss_targets(targets, v, ignore_index, "cross_entropy")
     return _streaming_loss(n, v, max(v, 1), lambda a, b: logits[:, a:b].copy(), t, logits.dtype)
 
 
 def _cross_entropy_backward(d_loss: np.ndarray | None, logits: np.ndarray, targets: np.ndarray,
                             lse: np.ndarray, d_lse: np.ndarray | None, *, ignore_index: int) -> np.ndarray:
-    t = _targets(targets, logits.shape[1], ignore_index, "cross_entropy_backward")
+    t = loss_targets(targets, logits.shape[1], ignore_index, "cross_entropy_backward")
     dl, dlse = _cotangents(d_loss, d_lse, t, logits.dtype)
     return _logits_grad(logits.copy(), 0, lse, t, dl, dlse)
 
@@ -220,7 +220,7 @@ def _fused_lm_head_loss_out(x: np.ndarray, weight: np.ndarray, targets: np.ndarr
     x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
     n, v = x.shape[0], weight.shape[0]
     loss, lse = or_scratch(out, [(n,), (n,)], dtype)
-    t = _targets(targets, v, ignore_index, "fused_lm_head_loss")
+    t = loss_targets(targets, v, ignore_index, "fused_lm_head_loss")
     chunk = min(chunk_size, v)
 
     def tile(r: slice) -> None:
@@ -252,7 +252,7 @@ def _fused_lm_head_loss_backward_out(d_loss: np.ndarray | None, x: np.ndarray, w
     x, weight = x.astype(dtype, copy=False), weight.astype(dtype, copy=False)
     n, v = x.shape[0], weight.shape[0]
     dx, dw = out
-    t = _targets(targets, v, ignore_index, "fused_lm_head_loss_backward")
+    t = loss_targets(targets, v, ignore_index, "fused_lm_head_loss_backward")
     dl, dlse = _cotangents(d_loss, d_lse, t, dtype)
     chunk = min(chunk_size, v)
     starts = list(range(0, v, chunk))
@@ -318,7 +318,7 @@ def fused_lm_head_loss_and_grad(d_loss: np.ndarray, x: np.ndarray, weight: np.nd
     """
     dtype = float_dtype_of(x, weight)
     n, v = x.shape[0], weight.shape[0]
-    t = _targets(targets, v, ignore_index, "fused_lm_head_loss")
+    t = loss_targets(targets, v, ignore_index, "fused_lm_head_loss")
     dl = np.where(t >= 0, d_loss, 0).astype(dtype)
     rows = max(1, min(n, FUSED_LOGITS_TILE // max(v, 1)))
     buf = scratch("lm_head_tile", min(n, rows) * v, dtype)
@@ -452,18 +452,21 @@ CORE_OPS = [
         "cross_entropy", ("logits", "targets"), ("loss", "lse"), _cross_entropy, _cross_entropy_infer,
         backward=_cross_entropy_rule, attrs=(_IGNORE,), samples=_cross_entropy_samples, nondiff_inputs={1},
         cost=lambda s, a: Cost(flops=5.0 * math.prod(s[0]), bytes=4.0 * math.prod(s[0])),
+        autocast="fp32",
         doc="Per row: loss = logsumexp(logits) - logits[target] (0 where target == ignore_index), and lse.",
     ),
     core_op(
         "cross_entropy_backward", ("d_loss?", "logits", "targets", "lse", "d_lse?"), ("d_logits",),
         _cross_entropy_backward, lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(1))], attrs=(_IGNORE,),
         nondiff_inputs={2}, cost=lambda s, a: Cost(flops=5.0 * math.prod(s[1]), bytes=8.0 * math.prod(s[1])),
+        autocast="fp32",
         doc="d_logits = softmax(logits) * (d_loss + d_lse) - onehot(target) * d_loss (d_loss 0 if ignored).",
     ),
     core_op(
         "fused_lm_head_loss", ("x", "weight", "targets"), ("loss", "lse"), _fused_lm_head_loss, _fused_infer,
         backward=_fused_rule, attrs=_FUSED_ATTRS, samples=_fused_samples, nondiff_inputs={2},
         cost=_fused_cost, out_kernel=_fused_lm_head_loss_out,
+        autocast="fp32",
         doc="cross_entropy(x @ weight^T, targets) over vocabulary chunks; logits are never materialised.",
     ),
     core_op(
@@ -471,6 +474,7 @@ CORE_OPS = [
         ("d_x", "d_weight"), _fused_lm_head_loss_backward, _fused_backward_infer, attrs=_FUSED_ATTRS,
         nondiff_inputs={3}, cost=lambda s, a: _fused_cost(s, a, backward=True),
         out_kernel=_fused_lm_head_loss_backward_out, samples=_fused_bwd_samples,
+        autocast="fp32",
         doc="(d_x, d_weight) of fused_lm_head_loss, recomputing each vocabulary chunk's logits.",
     ),
 ]

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from kiln.core.ops._ops import BackwardContext, InferContext, Sample
 from kiln.core.ops.library._common import check_same, core_op, randn, same_as
-from kiln.core.ops.library._elementwise import _binary_infer, _ew_cost, _sum_to
+from kiln.core.ops.library._elementwise import _binary_cost, _binary_infer, _ew_cost, _unbroadcast
 
 Array = npt.NDArray[np.floating[Any]]
 Grads = list[str | None]
@@ -49,12 +49,12 @@ def _reciprocal_rule(ctx: BackwardContext) -> Grads:
 def _div_rule(ctx: BackwardContext) -> Grads:
     if not (ctx.needs_grad(0) or ctx.needs_grad(1)):
         return [None, None]
-    d_over_b = ctx.emit("div", ctx.d_out, ctx.saved(1))  # the shape of a: b broadcasts
+    d_over_b = ctx.emit("div", ctx.d_out, ctx.saved(1))  # the result's shape
     db = None
     if ctx.needs_grad(1):
         d_full = ctx.emit("scale", ctx.emit("mul", d_over_b, ctx.saved_output(0)), factor=-1.0)
-        db = _sum_to(ctx, d_full, ctx.type_of(0).shape, ctx.type_of(1).shape)
-    return [d_over_b if ctx.needs_grad(0) else None, db]
+        db = _unbroadcast(ctx, d_full, 1)
+    return [_unbroadcast(ctx, d_over_b, 0) if ctx.needs_grad(0) else None, db]
 
 
 def _sigmoid_backward_infer(ctx: InferContext) -> list[Any]:
@@ -81,6 +81,7 @@ def _div_samples(rng: np.random.Generator) -> Iterator[Sample]:
     yield Sample((randn(rng, 3, 4), _nonzero(rng, 3, 4)))
     yield Sample((randn(rng, 3, 4, 5), _nonzero(rng, 5)))
     yield Sample((randn(rng, 2, 4, 5), _nonzero(rng, 4, 1)))
+    yield Sample((randn(rng, 4, 1), _nonzero(rng, 2, 4, 5)))  # a broadcast as well
 
 
 CORE_OPS = (
@@ -95,8 +96,8 @@ CORE_OPS = (
           samples=_reciprocal_samples, cost=_ew_cost(1, 2),
           out_kernel=lambda x, *, out: np.reciprocal(x, out=out[0]), inplace={0}, doc="out = 1 / x."),
     core_op("div", ("a", "b"), ("out",), np.divide, _binary_infer, backward=_div_rule, samples=_div_samples,
-          cost=_ew_cost(1, 3), out_kernel=lambda a, b, *, out: np.divide(a, b, out=out[0]), inplace={0},
-          doc="out = a / b; b has a's shape or broadcasts to it (as for add)."),
+          cost=_binary_cost, out_kernel=lambda a, b, *, out: np.divide(a, b, out=out[0]), inplace={0},
+          doc="out = a / b, broadcast both ways (as for add)."),
 )
 
 OPS = [c.opdef for c in CORE_OPS]
