@@ -14,7 +14,17 @@ import pytest
 
 from kiln.core import op_registry
 from kiln.core.autodiff import DeriveBackwardOptions, derive_backward
-from kiln.core.ir import ActivationSlot, Bundle, Module, dim_bindings, from_json, parse_dim, thaw, verify
+from kiln.core.ir import (
+    IR_VERSION,
+    ActivationSlot,
+    Bundle,
+    Module,
+    dim_bindings,
+    from_json,
+    parse_dim,
+    thaw,
+    verify,
+)
 from kiln.dsl import (
     Activation,
     Array,
@@ -200,7 +210,7 @@ def test_payload_matches_seed_section_12() -> None:
     assert payload["success"] and payload["errors"] == [] and payload["warnings"] == []
     json.dumps(payload)  # JSON data throughout
     assert [m["kind"] for m in payload["modules"]] == ["model", "block"]
-    assert all(m["kiln_ir"] == 1 and m["ir"] == "module" for m in payload["modules"])
+    assert all(m["kiln_ir"] == IR_VERSION and m["ir"] == "module" for m in payload["modules"])
     bundle = _bundle(payload)
     assert bundle == build_bundle(ToyModel, {"n_layers": 3}) == build_bundle("ToyModel", '{"n_layers": 3}')
     failed = compile_model(ToyModel, {"vocab_size": "many"})

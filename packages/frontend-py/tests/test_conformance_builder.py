@@ -158,6 +158,36 @@ def test_attention_takes_softcap_and_alibi_from_the_builder() -> None:
 
 
 @module
+class PackedCappedAlibi:
+    def __init__(self, T: int = 4, H: int = 2, D: int = 3):
+        self.T, self.H, self.D = T, H, D
+
+    @forward
+    def forward(self, qkv: Tensor[1, "T", "3 * H * D", F]) -> Tensor[1, "T", "H * D", F]:
+        with graph() as g:
+            out, _ = g.flash_attention(qkv, softcap=2.0, alibi=True, Hq="H", Hkv="H", D="D", out_name="out")
+            return out
+
+
+def test_flash_attention_takes_softcap_and_alibi_from_the_builder() -> None:
+    g = _graph(PackedCappedAlibi)
+    (op,) = (op for op in g.ops if op.type == "flash_attention")
+    assert thaw(op.attrs) == {"Hq": "H", "Hkv": "H", "D": "D", "causal": True, "softcap": 2.0, "alibi": True}
+    qkv = np.random.default_rng(2).standard_normal((1, 4, 18))
+    q, k, v = (qkv[..., i * 6:(i + 1) * 6].reshape(1, 4, 2, 3) for i in range(3))
+    env = run_graph(g, {"qkv": qkv}, bindings={"T": 4, "H": 2, "D": 3}, float_dtype=np.float64)
+    slopes = [2.0 ** -4, 2.0 ** -8]  # ALiBi's slopes of two heads
+    reference = np.zeros((1, 4, 2, 3))
+    for i in range(4):
+        for h in range(2):
+            s = np.array([2.0 * np.tanh(q[0, i, h] @ k[0, j, h] / np.sqrt(3) / 2.0) - slopes[h] * (i - j)
+                          for j in range(i + 1)])
+            w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            reference[0, i, h] = w @ v[0, : i + 1, h]
+    np.testing.assert_allclose(env["out"], reference.reshape(1, 4, 6), rtol=1e-10)
+
+
+@module
 class Blocked:
     _constraints_ = (("sqrt(C) * sqrt(C) == C", "C must be a square"),
                      ("ceil_div(N, block) <= max(n_blocks, 1)", "too few blocks"))

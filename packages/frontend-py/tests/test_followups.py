@@ -377,7 +377,9 @@ class NamedLM:
 @pytest.mark.parametrize("cls", [HeadLM, NamedLM])
 def test_a_models_single_output_is_named_loss(cls: type) -> None:
     payload = compile_model(cls, {})
-    assert payload["success"] and payload["warnings"] == [], payload
+    # NamedLM's save list keeps only the loss, so its derived backward recomputes what it reads (W003)
+    assert payload["success"] and [w for w in payload["warnings"] if w["code"] != "W003"] == [], payload
+    assert any(w["code"] == "W003" for w in payload["warnings"]) == (cls is NamedLM)
     bundle = build_bundle(cls, {})
     lm: Module = bundle.module(cls.__name__)
     verify(bundle)

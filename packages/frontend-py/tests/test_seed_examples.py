@@ -30,10 +30,18 @@ from kiln.dsl import (
     fuse,
     graph,
     hf_config,
+    local_definitions,
     model,
     module,
     save,
 )
+
+# The seed's classes reuse the standard library's names (RMSNorm, DenseTransformerBlock, ...): defined
+# inside local_definitions, they stay out of the registry, so later tests still find the standard ones.
+_SEED_NAMES = ("Linear", "RMSNorm", "SwiGLUMLP", "BaseAttention", "LlamaAttention", "DenseTransformerBlock",
+               "Qwen3Block", "SeedQwen3Model")
+_LOCAL = local_definitions(*_SEED_NAMES)
+_LOCAL.__enter__()
 
 # --- §4.1 / §13.1 Linear -----------------------------------------------------------------------
 
@@ -417,6 +425,8 @@ class SeedQwen3Model:
 
             return loss
 
+
+_LOCAL.__exit__(None, None, None)
 
 # --- helpers -------------------------------------------------------------------------------------
 

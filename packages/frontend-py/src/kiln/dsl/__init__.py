@@ -34,6 +34,8 @@ from kiln.dsl._decorators import (
     hf_config,
     hf_export,
     hf_mapping,
+    is_component,
+    kind_of,
     list_registered_blocks,
     list_registered_models,
     list_registered_modules,
@@ -46,6 +48,7 @@ from kiln.dsl._decorators import (
     save,
 )
 from kiln.dsl._errors import DSLError
+from kiln.dsl._frontend import local_definitions, lookup_component
 from kiln.dsl._hf import fuse, hf_tied_to, split, stack_experts, tied_to, transform
 from kiln.dsl._types import Array, ArrayType, B, Dim, DimExpr, T, Tensor, TensorAnnotation
 
@@ -88,9 +91,13 @@ __all__ = [
     "hf_export",
     "hf_mapping",
     "hf_tied_to",
+    "is_component",
+    "kind_of",
     "list_registered_blocks",
     "list_registered_models",
     "list_registered_modules",
+    "local_definitions",
+    "lookup_component",
     "model",
     "module",
     "param",

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kiln.core import InferContext, KilnError, OpDef, TensorType, op_registry
-from kiln.core.ir import DTYPES, DimExpr, Op, is_float
+from kiln.core.ir import DTYPES, Const, DimExpr, Op, dims_equal, is_float, simplify
 from kiln.dsl._errors import DSLError, diag, error, user_frame, user_location
 
 if TYPE_CHECKING:
@@ -75,6 +75,14 @@ class GraphRef:
     def __repr__(self) -> str:
         return f"GraphRef({self.name!r}, {self.type})"
 
+    def __getitem__(self, key: Any) -> GraphRef:
+        """``x[:, :k]``, ``x[..., i]``: indexing with compile-time bounds (``GraphBuilder.index``)."""
+        return self.builder.index(self, key)
+
+    def __iter__(self) -> Any:
+        # without this, __getitem__ would make `a, b = x` index x[0], x[1], ... as a sequence
+        raise TypeError(f"graph tensor {self.name!r} is not iterable: index it (x[0]) or split it")
+
     def __bool__(self) -> bool:
         """A tensor has no value while the graph is built: ``if``, ``and``, ``or`` and ``not`` on it
         would silently build one branch (E016)."""
@@ -105,6 +113,11 @@ class _State:
         self.calls: list[Any] = []  # block modules called through StackedBlocks
         self.renamed: dict[str, str] = {}  # explicit names the compiler changed (a model's loss)
         self.forward: dict[str, TensorType] | None = None  # building a @backward: the forward's tensors
+        self.annotations: list[tuple[GraphRef, Any]] = []  # (tensor, AnnotationValue), seed 004 §7
+        self.regions: dict[int, tuple[int, int, str]] = {}  # id(output of an inlined call) -> its ops, prefix
+        self.module_annotations: list[tuple[str, Any]] = []  # (prefix of an inlined submodule, annotation)
+        self.param_annotations: list[Any] = []  # IR Annotations of the parameters declared
+        self.block_checkpoints: list[tuple[str, Any]] = []  # (block module, @checkpoint on its call)
 
 
 def _short(loc: str | None) -> str | None:
@@ -258,7 +271,7 @@ class GraphBuilder:
         refs = [self._ref(x, f"{op_type} input") for x in inputs]
         while refs and refs[-1] is None and len(refs) > len([i for i in opdef.inputs if not i.endswith("?")]):
             refs.pop()
-        count = n_out if n_out is not None else len(opdef.outputs)
+        count = n_out if n_out is not None else opdef.default_outputs
         bad = opdef.arity_ok(len(refs), count)
         if bad:
             raise error(
@@ -391,6 +404,28 @@ class GraphBuilder:
     def mark_recompute(self, *names: Any) -> None:
         """Recompute these tensors in the backward pass instead of keeping them."""
         self._state.recompute += [(self.prefix, n, user_location()) for n in names]
+
+    def annotate(self, ref: Any, *annotations: Any) -> Any:
+        """Attach seed 004 §7 annotations to a tensor, as ``ref @ annotation`` does (``ref`` may be a
+        tuple of tensors); returns ``ref``."""
+        from kiln.dsl._annotations import ANNOTATIONS, AnnotationFactory, AnnotationValue
+
+        for t in ref if isinstance(ref, (tuple, list)) else (ref,):
+            target = self._ref(t, "annotated tensor")
+            for ann in annotations:
+                if isinstance(ann, AnnotationFactory):
+                    ann = ann.make((), {}, user_location())
+                if not isinstance(ann, AnnotationValue):
+                    raise error("E008", f"annotate(): expected an annotation, found {ann!r:.60}",
+                                "e.g. g.annotate(q, hook('AfterQKNorm'))", user_location())
+                if "tensor" not in ANNOTATIONS[ann.kind].applies_to:
+                    where = " or ".join(ANNOTATIONS[ann.kind].applies_to)
+                    raise error("E008", f"@{ann.kind} annotates a {where}, not a tensor "
+                                f"({target.name if target is not None else ref!r})",
+                                f"write it on a {where}", ann.loc)
+                if target is not None:
+                    self._state.annotations.append((target, ann))
+        return ref
 
     def saved(self, name: str) -> GraphRef:
         """``saved.<name>``: the forward tensor as a backward graph reads it."""
@@ -566,6 +601,8 @@ class GraphBuilder:
         causal: bool = True,
         softmax_scale: float | None = None,
         window_size: int | None = None,
+        softcap: float | None = None,
+        alibi: bool = False,
         Hq: Any = None,
         Hkv: Any = None,
         D: Any = None,
@@ -574,12 +611,14 @@ class GraphBuilder:
     ) -> tuple[GraphRef, GraphRef]:
         """Attention on packed ``[B, T, (Hq + 2 * Hkv) * D]`` qkv; heads default to the module's dims.
         ``segment_ids [B, T]`` (optional) keeps each query to keys of its own segment (packed documents,
-        padding)."""
+        padding); ``softcap`` and ``alibi`` as in :meth:`flash_attention_qkv`."""
         attrs = {
             **self._heads("flash_attention", Hq, Hkv, D),
             "causal": causal,
             "softmax_scale": softmax_scale,
             "window_size": window_size,
+            "softcap": softcap,
+            "alibi": alibi or None,
         }
         ins = [qkv] if segment_ids is None else [qkv, segment_ids]
         out, lse = self._emit("flash_attention", ins, attrs, [out_name, lse_name])
@@ -619,15 +658,39 @@ class GraphBuilder:
         head_dim: Any = None,
         theta: float | None = None,
         inverse: bool = False,
+        interleaved: bool = False,
         out_name: str | None = None,
     ) -> GraphRef:
+        """RoPE of every head of ``x [B, T, H * head_dim]``: HF's ``rotate_half`` pairs, or GPT-J's
+        ``(2i, 2i + 1)`` pairs with ``interleaved=True``; a ``freqs`` table (:meth:`rope_freqs`)
+        replaces ``theta``."""
         attrs = {
             "head_dim": head_dim if head_dim is not None else self._scope_dim("D", "rope"),
             "rotary_dim": rotary_dim,
             "theta": self._theta(theta),
             "inverse": inverse or None,
+            "interleaved": interleaved or None,
         }
         return self._one("rope", [x, freqs, position_ids], attrs, out_name)
+
+    def rope_freqs(
+        self,
+        rows: Any,
+        rotary_dim: Any,
+        *,
+        theta: float | None = None,
+        rope_type: str = "default",
+        out_name: str | None = None,
+        **scaling: Any,
+    ) -> GraphRef:
+        """The ``freqs`` table ``[rows, rotary_dim // 2, 2]`` of a RoPE kind, transformers' ``rope_type``
+        (``default``, ``linear``, ``dynamic``, ``yarn``, ``llama3``) and parameters as keywords
+        (``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``,
+        ``max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``,
+        ``mscale_all_dim``, ``truncate``): pass it to :meth:`rope` or :meth:`qkv_qk_norm_rope`."""
+        attrs = {"rows": rows, "rotary_dim": rotary_dim, "theta": self._theta(theta), "rope_type": rope_type,
+                 **scaling}
+        return self._one("rope_freqs", [], attrs, out_name)
 
     def qkv_qk_norm_rope(
         self,
@@ -640,6 +703,7 @@ class GraphBuilder:
         eps: float = 1e-6,
         rotary_dim: Any = None,
         theta: float | None = None,
+        interleaved: bool = False,
         Hq: Any = None,
         Hkv: Any = None,
         D: Any = None,
@@ -648,7 +712,8 @@ class GraphBuilder:
         q_rstd_name: str | None = None,
         k_rstd_name: str | None = None,
     ) -> tuple[GraphRef, GraphRef, GraphRef]:
-        """Fused optional QK-RMSNorm and RoPE on packed qkv; returns (qkv_out, q_rstd, k_rstd)."""
+        """Fused optional QK-RMSNorm and RoPE on packed qkv; returns (qkv_out, q_rstd, k_rstd).
+        ``interleaved`` and ``freqs`` as in :meth:`rope`."""
         if position_ids is None:
             raise error(
                 "E003",
@@ -661,6 +726,7 @@ class GraphBuilder:
             "eps": eps,
             "rotary_dim": rotary_dim,
             "theta": self._theta(theta),
+            "interleaved": interleaved or None,
         }
         out, q_rstd, k_rstd = self._emit(
             "qkv_qk_norm_rope",
@@ -699,11 +765,89 @@ class GraphBuilder:
             )
         )
 
+    def index(self, x: Any, key: Any, *, out_name: str | None = None) -> GraphRef:
+        """``x[key]`` with ints, slices of step 1 and one ``...`` known at compile time (seed 004 §5.11.4):
+        each sliced dim is a ``split`` (the part kept), and the dims an int selects are dropped by a
+        ``view``. Bounds outside a dim of static size are E004; anything but a compile-time int is E003."""
+        ref = self._ref(x, "index")
+        loc = user_location()
+        if ref is None:
+            raise error("E003", "index: the tensor is None", "index a tensor", loc)
+        items = list(key) if isinstance(key, tuple) else [key]
+        shown = ", ".join(_key_text(k) for k in items)
+        where = f"{ref.name if ref._name else 'tensor'}[{shown}] of {ref.type}"
+        rank = len(ref.shape)
+        used = sum(k is not Ellipsis for k in items)
+        if items.count(Ellipsis) > 1 or used > rank:
+            raise error("E004", f"{where}: {used} indices for a tensor of rank {rank}"
+                        + (" (and `...` twice)" if items.count(Ellipsis) > 1 else ""),
+                        "give one index or slice per dim, and at most one `...`", loc)
+        at = items.index(Ellipsis) if Ellipsis in items else len(items)
+        items[at:at + 1] = [slice(None)] * (rank - used)
+        root = self
+        while root.parent is not None:  # shapes are in the symbols of the module being compiled
+            root = root.parent
+        out, drop = ref, []
+        for axis, k in enumerate(items):
+            dim = ref.shape[axis]
+            try:  # its size under the config (B and T stay unknown)
+                size: int | None = dim.evaluate(root.scope.bindings())
+            except Exception:
+                size = None
+            if isinstance(k, slice):
+                if k.step not in (None, 1) or not all(b is None or _is_int(b) for b in (k.start, k.stop)):
+                    raise error("E003", f"{where}: slice {_key_text(k)} of dim {axis}",
+                                "slices take compile-time ints and step 1 (seed 004 §5.11.4)", loc)
+                lo, hi = k.start or 0, k.stop
+            elif _is_int(k):
+                lo, hi, drop = k, (k + 1) or None, [*drop, axis]  # x[..., -1] is the slice -1:
+            else:
+                raise error("E003", f"{where}: index {k!r} of dim {axis} is not a compile-time int or slice",
+                            "indices are ConstExpr (seed 004 §5.11.4); select data-dependent rows with ops "
+                            "such as embedding", loc)
+            if size is not None:
+                bad = [b for b in (lo, hi) if b is not None and not -size <= b <= size]
+                if _is_int(k) and not -size <= k < size:
+                    bad = [k]
+                if bad:
+                    raise error("E004", f"{where}: index {bad[0]} is out of range for dim {axis} of size "
+                                f"{size}", f"indices of that dim lie in [{-size}, {size})", loc)
+            start = simplify(dim + lo if lo < 0 else Const(lo))  # symbolic: x[:, 1:-1] is [B, D - 2]
+            stop = simplify(dim if hi is None else dim + hi if hi < 0 else Const(hi))
+            if size is not None:  # a known size: the part kept must not be empty; one to the end ends at dim
+                lo_at = lo + size if lo < 0 else lo
+                hi_at = size if hi is None else hi + size if hi < 0 else hi
+                if hi_at <= lo_at:
+                    raise error("E004", f"{where}: dim {axis} of size {size} is sliced to {hi_at - lo_at} "
+                                "elements", "a slice keeps at least one element", loc)
+                start, stop = (Const(0) if lo_at == 0 else start), (dim if hi_at == size else stop)
+            if dims_equal(start, Const(0)) and dims_equal(stop, dim):
+                continue
+            length = simplify(stop - start)
+            if isinstance(length, Const) and length.value <= 0:
+                raise error("E004", f"{where}: dim {axis} is sliced to {length.value} elements",
+                            "a slice keeps at least one element", loc)
+            sizes = [(start, False), (length, True), (simplify(dim - stop), False)]
+            sizes = [(n, keep) for n, keep in sizes if keep or not dims_equal(n, Const(0))]
+            parts = self._emit("split", [out], {"sizes": [n for n, _ in sizes], "dim": axis}, [],
+                               n_out=len(sizes))
+            out = parts[[keep for _, keep in sizes].index(True)]
+        if drop:
+            shape = [d for a, d in enumerate(out.shape) if a not in drop]
+            return self._one("view", [out], {"shape": shape}, out_name)
+        if out is ref or out_name is not None:
+            return self._one("view", [out], {"shape": list(out.shape)}, out_name)  # an alias, named
+        return out
+
     def concat(self, *xs: Any, dim: int = 0, out_name: str | None = None) -> GraphRef:
         return self._one("concat", list(xs), {"dim": dim}, out_name)
 
     def copy(self, x: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("copy", [x], {}, out_name)
+
+    def cast(self, x: Any, dtype: str, *, out_name: str | None = None) -> GraphRef:
+        """``x``'s values rounded to ``dtype`` (seed 004 §7.4.4; the gradient is cast back)."""
+        return self._one("cast", [x], {"dtype": dtype}, out_name)
 
     def contiguous(self, x: Any, *, out_name: str | None = None) -> GraphRef:
         return self._one("contiguous", [x], {}, out_name)
@@ -846,6 +990,50 @@ class GraphBuilder:
         w, idx, aux = self._emit("moe_router", [x, gate], attrs, [weights_name, indices_name, aux_loss_name])
         return w, idx, aux
 
+    def moe_load_stats(
+        self,
+        probs: Any,
+        indices: Any,
+        segment_ids: Any = None,
+        *,
+        load_name: str | None = None,
+        mean_probs_name: str | None = None,
+    ) -> tuple[GraphRef, GraphRef]:
+        """One MoE layer's routing statistics ``[E]``: the share of the top-k assignments each expert
+        gets and its mean router probability, over the rows whose ``segment_ids`` (``[N]``, optional)
+        are not 0 (padding). Sum them over the layers and pass them to :meth:`moe_aux_loss`."""
+        ins = [probs, indices] if segment_ids is None else [probs, indices, segment_ids]
+        load, mean = self._emit("moe_load_stats", ins, {}, [load_name, mean_probs_name])
+        return load, mean
+
+    def moe_aux_loss(
+        self,
+        loss: Any,
+        targets: Any,
+        load: Any,
+        mean_probs: Any,
+        *,
+        coef: float,
+        num_layers: int,
+        ignore_index: int = -100,
+        out_name: str | None = None,
+        aux_loss_name: str | None = None,
+    ) -> GraphRef:
+        """The per-token ``loss`` plus ``coef`` times transformers' load-balancing loss of ``num_layers``
+        MoE layers (``load`` and ``mean_probs``: their :meth:`moe_load_stats` summed) on every token whose
+        target is not ``ignore_index``: the mean loss grows by ``coef * aux_loss``, as in
+        ``MixtralForCausalLM`` with ``output_router_logits``. [B, T] targets are flattened."""
+        t = self._ref(targets, "targets")
+        assert t is not None
+        if len(t.shape) > 1:
+            rows = t.shape[0]
+            for d in t.shape[1:]:
+                rows = rows * d
+            t = self._emit("view", [t], {"shape": [rows]})[0]
+        attrs = {"coef": coef, "num_layers": num_layers,
+                 "ignore_index": ignore_index if ignore_index != -100 else None}
+        return self._emit("moe_aux_loss", [loss, t, load, mean_probs], attrs, [out_name, aux_loss_name])[0]
+
     def grouped_gemm(
         self, x: Any, weight: Any, offsets: Any, *, transpose: str = "NT", out_name: str | None = None
     ) -> GraphRef:
@@ -941,6 +1129,67 @@ class GraphBuilder:
         if target == "StackedBlocks":
             return compiler.stacked_call(self, list(inputs), num_outputs, kwargs)
         return compiler.inline_call(self, target, list(inputs), num_outputs, name, kwargs)
+
+    # -- for other frontends (docs/dsl.md, "API for other frontends") --
+    @property
+    def op_count(self) -> int:
+        """How many ops the graph being compiled holds so far (inlined calls included): remember it
+        before emitting a statement's ops, then pass it to :meth:`locate`."""
+        return len(self._state.ops)
+
+    def locate(self, since: int, loc: str | None, **attrs: Any) -> None:
+        """Attribute the ops emitted from index ``since`` (an earlier :attr:`op_count`) on to the source
+        location ``loc`` (``"file:line:col"``, what diagnostics and the IR's op locations show) instead
+        of the Python line that emitted them; ``attrs`` are added to the last of those ops' attributes.
+        Warnings those ops raised (W005) move to ``loc`` with them."""
+        ops = self._state.ops
+        if not 0 <= since <= len(ops):
+            raise error("E003", f"locate: since must be an op count in [0, {len(ops)}], found {since!r}",
+                        "pass g.op_count read before emitting the ops", loc)
+        moved = {ops[i][4] for i in range(since, len(ops))} - {None, loc}
+        for i in range(since, len(ops)):
+            op_type, ins, outs, op_attrs, _ = ops[i]
+            if attrs and i == len(ops) - 1:
+                op_attrs = {**op_attrs, **attrs}
+            ops[i] = (op_type, ins, outs, op_attrs, loc)
+        warnings = self._state.compiler.warnings
+        for k, w in enumerate(warnings):
+            if w.location in moved:
+                warnings[k] = diag(w.code, w.message, w.hint, loc)
+
+    def name_tensor(self, name: str, ref: Any, loc: str | None = None) -> GraphRef:
+        """Give the op result ``ref`` the fixed name ``name`` (like ``out_name=``, after the fact), as if
+        it had been defined at ``loc``; a name already taken is E017 naming both places."""
+        found = self.resolve(ref, "name_tensor")
+        self._claim(name, found, loc)
+        return found
+
+    def resolve(self, x: Any, what: str = "input") -> GraphRef:
+        """The tensor ``x`` stands for: a GraphRef of this graph, or the name of a parameter, input or
+        named tensor (``"saved.x"`` for a saved forward tensor in a ``@backward``). E002 if unknown."""
+        found = self._ref(x, what)
+        if found is None:
+            raise error("E003", f"{what}: expected a tensor, found {x!r}", "pass a GraphRef or a name",
+                        user_location())
+        return found
+
+    def scatter_indices(self, indices: Any) -> GraphRef | None:
+        """The scatter indices :meth:`moe_permute` produced for these top-k ``indices`` (what
+        :meth:`moe_unpermute` and the grouped GEMMs read), or None if they were not permuted."""
+        return self._state.scatter.get(id(self.resolve(indices, "scatter_indices")))
+
+
+def _key_text(k: Any) -> str:
+    if k is Ellipsis:
+        return "..."
+    if isinstance(k, slice):
+        text = ":".join("" if b is None else str(b) for b in (k.start, k.stop))
+        return text + ("" if k.step is None else f":{k.step}")
+    return repr(k)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def graph() -> GraphBuilder:

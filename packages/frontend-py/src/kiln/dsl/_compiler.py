@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.core import Diagnostic, KilnError, TensorType, op_registry
+from kiln.core.autodiff import DeriveBackwardOptions, derive_backward
 from kiln.core.ir import (
     PARAM_ROLES,
     ActivationLayout,
@@ -35,6 +36,7 @@ from kiln.core.ir import (
     parse_dim,
     thaw,
 )
+from kiln.dsl import _annotations
 from kiln.dsl._builder import GraphBuilder, GraphRef, _State, active, finalize_names, iter_refs, to_ops
 from kiln.dsl._decorators import (
     _REGISTRY,
@@ -85,6 +87,17 @@ def _json_value(v: Any) -> bool:
         return True
     except KilnError:
         return False
+
+
+#: ``Tensor["*", "C"]``: variadic leading dims (seed 004 §3), bound by each ``g.call`` to the leading dims
+#: of the tensor passed; the IR holds the specialised shapes
+VARIADIC = "*"
+
+
+def _short_loc(loc: str) -> str:
+    """``file:line`` as the IR keeps it on an op (base name only)."""
+    path, _, line = loc.rpartition(":")
+    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
 
 
 def _tensor_types(annotation: Any) -> list[Any]:
@@ -212,10 +225,19 @@ class _Compiler:
         ops = to_ops(state)
         save = self.memory_list(state, state.save, spec.save, spec, "save", ops, builder)
         recompute = self.memory_list(state, state.recompute, spec.recompute, spec, "recompute", ops, builder)
+        annotations, save, recompute = _annotations.resolve(spec, state, ops, kind, [r.name for r in inputs],
+                                                            [r.name for r in outs], save, recompute)
+        ops = _annotations.apply_fusions(spec, state, ops, save, recompute)
+        annotations = state.param_annotations + annotations
+        for block_name, ann in state.block_checkpoints:
+            i = next(i for i, m in enumerate(self.block_order) if m.name == block_name)
+            self.block_order[i] = _annotations.checkpoint_block(self.block_order[i], ann)
         outputs = self.output_decls(builder, spec, outs)
-        specs = self.with_init(specs + state.extra_params, ops, scope)
+        specs = _annotations.adapter_targets(spec, self.with_init(specs + state.extra_params, ops, scope),
+                                             state.param_annotations)
         graph_params = decls + [TensorDecl(p.name, p.shape, p.dtype) for p in state.extra_params]
         layout = self.layout(builder, spec, scope, [d.name for d in inputs], specs) + state.extra_slots
+        layout = _annotations.memory_slots(spec, state, kind, layout)
         self.check_replays(spec, state, {s.name for s in layout})
         hf_mappings = self.hf_mappings(spec, specs, scope)
         specs = [
@@ -252,6 +274,7 @@ class _Compiler:
                 hf_mappings=hf_mappings,
                 hf_export=self.hf_export(spec),
                 metadata=metadata,
+                annotations=annotations,
             )
         except KilnError as exc:
             raise error(exc.code or "E003", f"{spec.name}: {exc.message}", exc.hint, spec.loc) from None
@@ -259,6 +282,8 @@ class _Compiler:
             assert module.forward is not None
             forward, backward = self.backward_graph(spec, builder, module.forward, layout)
             module = module.evolve(forward=forward, backward=backward)
+        elif spec.save or state.save:
+            self.check_derived_saves(spec, state, module.forward)
         if spec.name in op_registry() or spec.name in _REGISTRY["primitive"]:
             self.warnings.append(
                 diag(
@@ -269,6 +294,33 @@ class _Compiler:
                 )
             )
         return _Built(module, scope, spec)
+
+    def check_derived_saves(self, spec: ModuleSpec, state: _State, graph: Graph | None) -> None:
+        """W003 (seed 004 §5.12.6): a module that declares its save list and leaves its backward to kiln
+        should list what the derived backward reads. A forward tensor it reads that the list leaves out
+        is saved anyway (more memory than the list promises), named at the op whose rule reads it."""
+        if graph is None or any(op.type == "call" for op in graph.ops):
+            return  # blocks repeated by a call are derived, and their saves checked, on their own
+        try:
+            result = derive_backward(graph, DeriveBackwardOptions(loss_name=None))
+        except KilnError:
+            return  # not differentiable as it stands: compiling the training step says why
+        declared = {*graph.save, *graph.recompute}
+        full = {_short_loc(loc): loc for *_, loc in state.ops if loc}
+        seen: set[str] = set()
+        for op in result.backward.ops:
+            for name in op.inputs:
+                tensor = name.removeprefix("saved.")
+                if name == tensor or tensor in declared or tensor in seen:
+                    continue
+                seen.add(tensor)
+                self.warnings.append(diag(
+                    "W003",
+                    f"{spec.name}: the derived backward of this op reads {tensor!r}, which the save list "
+                    f"({', '.join(graph.save) or 'empty'}) leaves out: it is kept for the backward anyway",
+                    f"add {tensor!r} to @save (or recompute it), or write a @backward that does without it",
+                    full.get(op.loc or "", op.loc) or function_location(spec.forward),  # type: ignore[arg-type]
+                ))
 
     def name_loss(self, state: _State, out: GraphRef) -> None:
         """The runtime reads a model's single output as ``loss``, whatever produced it: a tensor of an
@@ -312,8 +364,11 @@ class _Compiler:
 
     def check_constraints(self, spec: ModuleSpec, scope: Scope) -> None:
         for item in spec.constraints:
-            text, message = (item, None) if isinstance(item, str) else (*tuple(item), None)[:2]
-            loc = class_location(spec.cls, repr(text)[1:-1]) if isinstance(text, str) else spec.loc
+            entry = (item,) if isinstance(item, str) else tuple(item)
+            text, message, where = (*entry, None, None)[:3]
+            # a third entry is the constraint's own source place (a frontend's file:line:col)
+            loc = where if isinstance(where, str) else (
+                class_location(spec.cls, repr(text)[1:-1]) if isinstance(text, str) else spec.loc)
             if not isinstance(text, str):
                 raise error(
                     "E026",
@@ -411,6 +466,8 @@ class _Compiler:
             if name in spec.redefined:
                 self.check_redefinition(builder, spec, name, ptype)
             full = prefix + name
+            anns, frozen = _annotations.param_annotations(spec, p, full)
+            state.param_annotations += anns
             condition = p.when if isinstance(p.when, str) and not prefix else None
             optional = p.optional or p.when is not None
             tied = p.tied
@@ -430,7 +487,7 @@ class _Compiler:
                         full,
                         shape,
                         ptype.dtype,
-                        frozen=p.frozen,
+                        frozen=frozen,
                         optional=optional,
                         condition=condition,
                         tied_to=prefix + target,
@@ -454,7 +511,7 @@ class _Compiler:
                         name,
                         (),
                         "fp32",
-                        frozen=p.frozen,
+                        frozen=frozen,
                         optional=optional,
                         condition=condition,
                         array_of=built.module.name,
@@ -481,7 +538,7 @@ class _Compiler:
                     full,
                     shape,
                     ptype.dtype,
-                    frozen=p.frozen,
+                    frozen=frozen,
                     optional=optional,
                     condition=condition,
                     init=init or {},
@@ -580,13 +637,32 @@ class _Compiler:
                     loc,
                 )
             args.append((name, ann))
-        return args, hints.get("return")
+        ret = hints.get("return")
+        for what, ann in [*((f"argument {n!r}", a) for n, a in args),
+                          *(("output", a) for a in _tensor_types(ret) if isinstance(a, TensorAnnotation))]:
+            if VARIADIC in ann.dims[1:]:
+                raise error(
+                    "E008",
+                    f"{spec.name}.forward {what}: {ann!r} puts the variadic {VARIADIC!r} after the first dim",
+                    'variadic dims are leading only: Tensor["*", "T", "C"], not Tensor["B", "*", "C"]',
+                    loc,
+                )
+        return args, ret
 
     def declare_inputs(self, builder: GraphBuilder, spec: ModuleSpec) -> list[GraphRef]:
         args, _ = self.forward_signature(spec)
         loc = function_location(spec.forward)  # type: ignore[arg-type]
         out = []
         for name, ann in args:
+            if ann.dims[:1] == (VARIADIC,):
+                raise error(
+                    "E008",
+                    f"{spec.name}.forward argument {name!r} has variadic leading dims ({ann!r}), which "
+                    "only a caller binds",
+                    f"compile a module that calls {spec.name} (g.call binds `*` to the leading dims of the "
+                    "tensor it passes), or name the leading dims",
+                    loc,
+                )
             try:
                 shape = [builder.dim(d) for d in ann.dims]
             except DSLError as exc:
@@ -726,6 +802,7 @@ class _Compiler:
         result = _capture(b, fn, inputs, "backward", spec.name, loc)
         outs = list(iter_refs([result])) if result is not None else (state.outputs or [])
         finalize_names(state)
+        _annotations.refuse_in_backward(spec, state)
         leaves = {f"d_{d.name}" for d in (*graph.inputs, *graph.params)}
         for ref in outs:
             if ref.name not in leaves:
@@ -1287,18 +1364,49 @@ class _Compiler:
         specs, _ = self.declare_params(child, spec, builder._state, prefix)
         builder._state.extra_params += specs
         args, _ = self.forward_signature(spec)
-        if len(inputs) != len(args):
+        # trailing optional inputs may be left out: the forward then sees None, as if passed
+        omitted = len(args) - len(inputs)
+        if omitted < 0 or not all(ann.optional for _, ann in args[len(inputs):]):
             raise error(
                 "E003",
                 f"call({name!r}): {spec.name}.forward takes {len(args)} inputs "
                 f"({', '.join(a for a, _ in args)}), found {len(inputs)}",
-                "pass one tensor per argument of its @forward",
+                "pass one tensor per argument of its @forward (only optional, `| None`, trailing ones "
+                "may be left out)",
                 loc,
             )
-        refs = []
-        for x, (arg, ann) in zip(inputs, args, strict=True):
+        refs: list[GraphRef | None] = []
+        star: tuple[str, tuple[DimExpr, ...]] | None = None  # the input that bound `*`, and its dims
+        for x, (arg, ann) in zip([*inputs, *[None] * omitted], args, strict=True):
+            if x is None and ann.optional:  # compile-time specialisation: the forward takes its None branch
+                refs.append(None)
+                continue
+            if x is None:
+                raise error(
+                    "E003",
+                    f"call({name!r}): input {arg!r} of {spec.name} is None, but it is not optional",
+                    f"pass a tensor, or annotate the argument Tensor[...] | None and handle "
+                    f"`{arg} is None` in the forward",
+                    loc,
+                )
             ref = builder._ref(x, f"{spec.name} input {arg!r}")
-            want = [child.dim(d) for d in ann.dims]
+            variadic = ann.dims[:1] == (VARIADIC,)
+            want = [child.dim(d) for d in ann.dims[variadic:]]
+            if variadic and ref is not None and len(ref.shape) >= len(want):
+                # `*` unifies with the leading dims of the tensor passed: the same for every input
+                lead = tuple(ref.shape[:len(ref.shape) - len(want)])
+                if star is None:
+                    star = (arg, lead)
+                elif len(star[1]) != len(lead) or not all(map(dims_equal, star[1], lead)):
+                    raise error(
+                        "E004",
+                        f"call({name!r}): the variadic leading dims `*` of {spec.name} are "
+                        f"[{', '.join(map(str, star[1]))}] from input {star[0]!r}, but input {arg!r} has "
+                        f"[{', '.join(map(str, lead))}] ({ref.type})",
+                        "every input annotated Tensor[\"*\", ...] must have the same leading dims",
+                        loc,
+                    )
+                want = [*star[1], *want]
             if (
                 ref is None
                 or len(want) != len(ref.shape)
@@ -1321,7 +1429,12 @@ class _Compiler:
                 )
             refs.append(ref)
             child.inputs[arg] = ref
+        start = len(builder._state.ops)
         outs = self.run_forward(child, spec, refs)
+        for out in outs:
+            builder._state.regions[id(out)] = (start, len(builder._state.ops), prefix)
+        _annotations.module_annotations(spec, prefix)  # checks where they apply
+        builder._state.module_annotations += [(prefix, a) for a in spec.annotations]
         if num_outputs is not None and num_outputs != len(outs):
             raise error(
                 "E003",
@@ -1329,8 +1442,10 @@ class _Compiler:
                 "num_outputs= must match what its @forward returns",
                 loc,
             )
-        builder._state.save += [(prefix, child.inputs.get(n, n), loc) for n in spec.save]
-        builder._state.recompute += [(prefix, child.inputs.get(n, n), loc) for n in spec.recompute]
+        absent = {a for (a, _), r in zip(args, refs, strict=True) if r is None}  # optional inputs left out
+        builder._state.save += [(prefix, child.inputs.get(n, n), loc) for n in spec.save if n not in absent]
+        builder._state.recompute += [(prefix, child.inputs.get(n, n), loc) for n in spec.recompute
+                                     if n not in absent]
         builder._state.extra_slots += self.layout(child, spec, scope, [a for a, _ in args], specs, prefix)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -1575,10 +1690,16 @@ def compile_model(name_or_class: Any, config: Any = None, *, raise_on_error: boo
     return _payload(bundle, errors, warnings, raise_on_error)
 
 
-def build_bundle(name_or_class: Any, config: Any = None) -> Bundle:
-    """Compile to a :class:`kiln.core.ir.Bundle`; raises :class:`DSLError` listing every error."""
-    bundle, errors, warnings = _compile(name_or_class, config)
-    _payload(bundle, errors, warnings, True)
+def build_bundle(
+    name_or_class: Any, config: Any = None, *, warnings: list[Diagnostic] | None = None
+) -> Bundle:
+    """Compile to a :class:`kiln.core.ir.Bundle`; raises :class:`DSLError` listing every error. A list
+    passed as ``warnings`` receives the compile's warning diagnostics (W001-W005), which
+    ``compile_model`` returns in its payload."""
+    bundle, errors, found = _compile(name_or_class, config)
+    if warnings is not None:
+        warnings.extend(found)
+    _payload(bundle, errors, found, True)
     assert bundle is not None
     return bundle
 

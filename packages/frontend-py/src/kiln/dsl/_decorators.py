@@ -96,6 +96,8 @@ class Param(_Declared):
         self.role = role
         self.tied: TiedTo | None = None
         self.optional = False
+        #: seed 004 §7 annotations written after it: ``Param(...) @ shard("column") @ frozen``
+        self.annotations: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
         return f"Param({self.type!r}, name={self.name!r})"
@@ -544,6 +546,8 @@ class ModuleSpec:
     dims: dict[str, Any]
     doc: str
     loc: str | None
+    #: seed 004 §7 annotations of the class (class decorators such as ``@checkpoint``), bases first
+    annotations: tuple[Any, ...] = ()
 
 
 def spec_of(cls: type) -> ModuleSpec:
@@ -606,6 +610,8 @@ def spec_of(cls: type) -> ModuleSpec:
         dims=dict(getattr(cls, "_dims_", {}) or {}),
         doc=(cls.__doc__ or "").strip(),
         loc=class_location(cls),
+        annotations=tuple(a for c in reversed(cls.__mro__[:-1])
+                          for a in c.__dict__.get("__kiln_annotations__", ())),
     )
 
 
@@ -736,6 +742,7 @@ def list_registered_modules() -> list[str]:
 
 
 def is_component(cls: Any) -> bool:
+    """Whether ``cls`` itself is decorated with ``@module``, ``@block`` or ``@model`` (not only a base)."""
     return isinstance(cls, type) and (cls.__dict__.get("__kiln__") or {}).get("kind") in (
         "module",
         "block",
@@ -744,6 +751,7 @@ def is_component(cls: Any) -> bool:
 
 
 def kind_of(cls: type) -> str | None:
+    """``"module"``, ``"block"``, ``"model"`` for a decorated class or a subclass of one, else None."""
     for c in cls.__mro__:
         kind = (c.__dict__.get("__kiln__") or {}).get("kind")
         if kind:

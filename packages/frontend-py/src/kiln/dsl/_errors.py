@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,12 +54,22 @@ def traceback_location(exc: BaseException) -> str | None:
     return best
 
 
+_SOURCES: weakref.WeakKeyDictionary[Any, tuple[str, list[str], int] | None] = weakref.WeakKeyDictionary()
+
+
 def _source(obj: Any) -> tuple[str, list[str], int] | None:
+    try:  # finding a class's source parses its whole module: once per class, not once per compile
+        return _SOURCES[obj]
+    except (KeyError, TypeError):
+        pass
     try:
         lines, start = inspect.getsourcelines(obj)
-        return inspect.getsourcefile(obj) or "?", lines, start
+        found: tuple[str, list[str], int] | None = (inspect.getsourcefile(obj) or "?", lines, start)
     except (OSError, TypeError):
-        return None
+        found = None
+    with contextlib.suppress(TypeError):  # not weakly referenceable: not cached
+        _SOURCES[obj] = found
+    return found
 
 
 def class_location(cls: type, needle: str | None = None) -> str | None:

@@ -1,10 +1,11 @@
 """kiln's standard library, written in the DSL: importing it registers every module, block and model.
 
 Modules: Linear, RMSNorm, SwiGLUMLP, Embedding, LMHead. Blocks: DenseTransformerBlock,
-MoETransformerBlock, HyperConnectionBlock. Models: LlamaModel, Qwen3Model, Qwen3MoEModel,
-HyperConnectionModel.
+MoETransformerBlock, ParallelTransformerBlock, HyperConnectionBlock. Models: LlamaModel, Qwen3Model,
+MistralModel, MixtralModel, Qwen3MoEModel, ParallelModel, HyperConnectionModel.
+Mamba (module ``mamba``): MambaBlock, MambaModel, HybridModel.
 """
 
-from kiln.dsl.stdlib import blocks, models, modules
+from kiln.dsl.stdlib import blocks, mamba, models, modules
 
-__all__ = ["blocks", "models", "modules"]
+__all__ = ["blocks", "mamba", "models", "modules"]

@@ -5,7 +5,9 @@ Dense and MoE blocks follow seed 003 §6.1: the block takes ``(x, residual, posi
 segment; padding is segment 0) and returns
 ``(mlp_down, res_att)``; each block starts with ``res_ffn = residual + x`` fused into its first RMSNorm,
 so the model passes ``residual0 = 0`` to the first layer and adds the last block's pair once more in its
-final fused norm. RoPE is HF's ``rotate_half`` computed from ``rope_theta`` (no table parameter).
+final fused norm. RoPE is HF's ``rotate_half`` computed from ``rope_theta`` (no table parameter), or with
+``scaled_rope`` (the attributes of a ``rope_freqs`` op: a scaled kind or a partial rotary dim) from a
+``freqs`` table the block computes; ``rope_interleaved`` takes GPT-J's pairs ``(2i, 2i + 1)``.
 """
 
 # Tensor[...] annotations hold dimension names, which ruff would read as forward references.
@@ -15,7 +17,8 @@ from typing import Any, ClassVar
 
 from kiln.dsl import Activation, B, Dim, Gradient, Param, T, Tensor, block, forward, graph
 
-__all__ = ["DenseTransformerBlock", "HyperConnectionBlock", "MoETransformerBlock"]
+__all__ = ["DenseTransformerBlock", "GPTNeoXBlock", "HyperConnectionBlock", "MoETransformerBlock",
+           "ParallelTransformerBlock"]
 
 F = "fp32"
 _MATMUL = {"transpose": "NT"}
@@ -27,31 +30,43 @@ MLP_UP_LORA = [("gate", 0, "M"), ("up", "M", "M")]
 
 def _init_attention(blk: Any, d_model: int, num_query_heads: int, num_kv_heads: int, head_size: int | None,
                     max_seq: int, eps: float, rope_theta: float, use_qkv_bias: bool, use_qk_norm: bool,
-                    use_out_bias: bool, sliding_window: int | None = None) -> None:
+                    use_out_bias: bool, sliding_window: int | None = None,
+                    scaled_rope: dict[str, Any] | None = None, rope_interleaved: bool = False) -> None:
     blk.d_model, blk.num_query_heads, blk.num_kv_heads = d_model, num_query_heads, num_kv_heads
     blk.head_size = head_size if head_size is not None else d_model // num_query_heads
     blk.max_seq, blk.eps, blk.rope_theta = max_seq, eps, float(rope_theta)
     blk.use_qkv_bias, blk.use_qk_norm, blk.use_out_bias = use_qkv_bias, use_qk_norm, use_out_bias
     blk.sliding_window = sliding_window  # keys a query sees, its own included (HF's sliding_window)
+    blk.scaled_rope, blk.rope_interleaved = scaled_rope, rope_interleaved
     blk.C, blk.Hq, blk.Hkv = Dim("d_model"), Dim("num_query_heads"), Dim("num_kv_heads")
     blk.D = Dim("head_size")
     blk.QKV = (blk.Hq + 2 * blk.Hkv) * blk.D
     blk.AttnDim = blk.Hq * blk.D
 
 
-def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any, segment_ids: Any) -> Any:
-    """Causal GQA self-attention of the normed input ``ln1`` [B, T, C]: returns ``att_out`` [B, T, C]."""
+def _attention(g: Any, blk: Any, ln1: Any, position_ids: Any, segment_ids: Any,
+               per_head_qkv: bool = False) -> Any:
+    """Causal GQA self-attention of the normed input ``ln1`` [B, T, C]: returns ``att_out`` [B, T, C].
+    ``per_head_qkv``: the projection's rows are GPT-NeoX's ``[q_h | k_h | v_h]`` per head (Hq = Hkv),
+    regrouped into kiln's ``[q | k | v]``."""
     ln1_flat = g.view(ln1, shape=[B * T, blk.C], out_name="ln1_flat")
     if blk.use_qkv_bias:
         qkv_flat = g.matmul_bias(ln1_flat, "qkv_weight", "qkv_bias", out_name="qkv_flat", **_MATMUL)
     else:
         qkv_flat = g.matmul(ln1_flat, "qkv_weight", out_name="qkv_flat", **_MATMUL)
+    if per_head_qkv:
+        heads = g.view(qkv_flat, shape=[B, T, blk.Hq, 3, blk.D], out_name="qkv_heads")
+        qkv_flat = g.permute(heads, [0, 1, 3, 2, 4], out_name="qkv_grouped")
     qkv = g.view(qkv_flat, shape=[B, T, blk.QKV], out_name="qkv")
     qk_norm = blk.use_qk_norm
+    freqs, rope = None, {}
+    if blk.scaled_rope:  # a scaled kind or a partial rotary dim: the block computes its table
+        rope = {"rotary_dim": blk.scaled_rope["rotary_dim"]}
+        freqs = g.rope_freqs(blk.max_seq, theta=blk.rope_theta, out_name="rope_table", **blk.scaled_rope)
     qkv_rope, _, _ = g.qkv_qk_norm_rope(
-        qkv, "q_norm_weight" if qk_norm else None, "k_norm_weight" if qk_norm else None, None, position_ids,
-        eps=blk.eps, theta=blk.rope_theta, qkv_out_name="qkv_rope", q_rstd_name="q_rstd",
-        k_rstd_name="k_rstd",
+        qkv, "q_norm_weight" if qk_norm else None, "k_norm_weight" if qk_norm else None, freqs, position_ids,
+        eps=blk.eps, theta=blk.rope_theta, interleaved=blk.rope_interleaved, qkv_out_name="qkv_rope",
+        q_rstd_name="q_rstd", k_rstd_name="k_rstd", **rope,
     )
     att, _ = g.flash_attention(qkv_rope, segment_ids, causal=True, window_size=blk.sliding_window,
                                out_name="att", lse_name="lse")
@@ -234,9 +249,12 @@ class DenseTransformerBlock(_PreNormAttention):
         use_qk_norm: bool = False,
         use_out_bias: bool = False,
         sliding_window: int | None = None,
+        scaled_rope: dict[str, Any] | None = None,
+        rope_interleaved: bool = False,
     ):
         _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
-                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window)
+                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window, scaled_rope,
+                        rope_interleaved)
         self.d_ff = d_ff
         self.M = Dim("d_ff")
         self.MUp = 2 * self.M
@@ -324,9 +342,12 @@ class MoETransformerBlock(_PreNormAttention):
         use_qk_norm: bool = True,
         use_out_bias: bool = False,
         sliding_window: int | None = None,
+        scaled_rope: dict[str, Any] | None = None,
+        rope_interleaved: bool = False,
     ):
         _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
-                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window)
+                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window, scaled_rope,
+                        rope_interleaved)
         self.num_experts, self.num_experts_per_tok, self.moe_d_ff = num_experts, num_experts_per_tok, moe_d_ff
         self.norm_topk_prob, self.shared_d_ff = norm_topk_prob, shared_d_ff
         self.use_shared_expert = shared_d_ff > 0
@@ -434,10 +455,14 @@ class MoETransformerBlock(_PreNormAttention):
         self,
         x: Tensor["B", "T", "C", F],
         residual: Tensor["B", "T", "C", F],
+        router_load: Tensor["E", F],
+        router_mean_probs: Tensor["E", F],
         position_ids: Tensor["B", "T", "int32"],
         segment_ids: Tensor["B", "T", "int32"],
-    ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F]]:
-        """Returns (mlp_down, res_att): the next layer's x and residual."""
+    ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F], Tensor["E", F], Tensor["E", F]]:
+        """Returns (mlp_down, res_att, router_load, router_mean_probs): the next layer's x and residual,
+        and the routing statistics of the layers so far (this layer's ``moe_load_stats`` added), from
+        which the model computes the load-balancing loss."""
         with graph() as g:
             res_att, ln2 = self._attention_half(g, x, residual, position_ids, segment_ids)
             ln2_flat = g.view(ln2, shape=[B * T, self.C], out_name="ln2_flat")
@@ -446,6 +471,11 @@ class MoETransformerBlock(_PreNormAttention):
             weights, indices = g.moe_topk(router_probs, top_k=self.num_experts_per_tok,
                                           normalize=self.norm_topk_prob, weights_name="routing_weights",
                                           indices_name="routing_indices")
+            rows = g.view(segment_ids, shape=[B * T], out_name="segment_rows")
+            load, mean_probs = g.moe_load_stats(router_probs, indices, rows, load_name="layer_load",
+                                                mean_probs_name="layer_mean_probs")
+            load_out = g.add(router_load, load, out_name="router_load_out")
+            mean_probs_out = g.add(router_mean_probs, mean_probs, out_name="router_mean_probs_out")
             permuted, scatter = g.moe_permute(ln2_flat, indices, out_name="moe_permuted",
                                               scatter_name="scatter_idx", offsets_name="expert_offsets")
             gate_up = g.moe_grouped_gemm_gate_up(permuted, "experts_gate_up", scatter,
@@ -462,7 +492,161 @@ class MoETransformerBlock(_PreNormAttention):
                 gate = g.moe_sigmoid(gate_logit, out_name="shared_gate")
                 out = g.add(out, g.mul(shared, gate, out_name="shared_out"), out_name="moe_out")
             mlp_down = g.view(out, shape=[B, T, self.C], out_name="mlp_down")
-            return mlp_down, res_att
+            return mlp_down, res_att, load_out, mean_probs_out
+
+
+@block
+class ParallelTransformerBlock:
+    """GPT-NeoX / GPT-J parallel layer: attention and MLP read the same input and both add to the residual,
+    ``h_out = h + attention(ln1(h)) + mlp(ln2(h))`` with ``h = residual + x``.
+
+    ``parallel_norms=True`` (GPT-NeoX's ``use_parallel_residual``) normalises ``h`` twice, with
+    ``ln1_weight`` for the attention and ``ln2_weight`` for the MLP; ``False`` (GPT-J) feeds ``ln1(h)`` to
+    both. As the library's other blocks: RMSNorm, SwiGLU MLP, the attention options of
+    DenseTransformerBlock, and ``(x, residual)`` in and out (``x`` the two branches' sum, added to the
+    residual by the next block's fused norm).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_size: int | None,
+        d_ff: int,
+        max_seq: int,
+        eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        parallel_norms: bool = True,
+        use_qkv_bias: bool = False,
+        use_qk_norm: bool = False,
+        use_out_bias: bool = False,
+        sliding_window: int | None = None,
+        scaled_rope: dict[str, Any] | None = None,
+        rope_interleaved: bool = False,
+    ):
+        _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
+                        use_qkv_bias, use_qk_norm, use_out_bias, sliding_window, scaled_rope,
+                        rope_interleaved)
+        self.parallel_norms, self.d_ff = parallel_norms, d_ff
+        self.M = Dim("d_ff")
+        self.MUp = 2 * self.M
+
+    ln1_weight = Param(Tensor["C", F], init="ones")
+    ln2_weight = Param(Tensor["C", F], init="ones", when="parallel_norms")
+    qkv_weight = Param(Tensor["QKV", "C", F], lora_targets=QKV_LORA)
+    qkv_bias = Param(Tensor["QKV", F], when="use_qkv_bias", init="zeros")
+    out_weight = Param(Tensor["C", "AttnDim", F], lora_targets=["o"])
+    out_bias = Param(Tensor["C", F], when="use_out_bias", init="zeros")
+    q_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
+    k_norm_weight = Param(Tensor["D", F], when="use_qk_norm", init="ones")
+    mlp_up_weight = Param(Tensor["MUp", "C", F], lora_targets=MLP_UP_LORA)
+    mlp_down_weight = Param(Tensor["C", "M", F], lora_targets=["down"])
+
+    ln1_rstd = Activation(Tensor["B", "T"], dtype="fp32", save=True)
+    ln2_rstd = Activation(Tensor["B", "T"], dtype="fp32", save=True, when="parallel_norms")
+    res_ffn = Activation(
+        Tensor["B", "T", "C", F],
+        recompute=True,
+        recompute_group="ln1_fused",
+        recompute_outputs=["res_ffn", "ln1"],
+        recompute_from=["@input:residual", "@input:x", "ln1_rstd", "@param:ln1_weight"],
+        recompute_op="fused_residual_rmsnorm_apply_saved",
+        recompute_policy="always",
+        description="The layer's input h = residual + x: the next layer's residual",
+    )
+    ln1 = Activation(Tensor["B", "T", "C", F], aliases=["ln1_flat"], recompute=True,
+                     recompute_group="ln1_fused", description="LN1 output: the attention's input")
+    ln2 = Activation(Tensor["B", "T", "C", F], recompute=True, recompute_from=["res_ffn", "ln2_rstd",
+                                                                               "@param:ln2_weight"],
+                     recompute_op="rmsnorm_apply_saved", recompute_policy="always", when="parallel_norms",
+                     description="LN2 output: the MLP's input")
+    parallel_out = Activation(Tensor["B", "T", "C", F], description="attention + MLP: the next layer's x")
+
+    @forward
+    def forward(
+        self,
+        x: Tensor["B", "T", "C", F],
+        residual: Tensor["B", "T", "C", F],
+        position_ids: Tensor["B", "T", "int32"],
+        segment_ids: Tensor["B", "T", "int32"],
+    ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F]]:
+        """Returns (attention + MLP, residual + x): the next layer's x and residual."""
+        with graph() as g:
+            res, ln1, _ = g.fused_residual_rmsnorm(residual, x, "ln1_weight", eps=self.eps,
+                                                   res_out_name="res_ffn", y_name="ln1", rstd_name="ln1_rstd")
+            att_out = _attention(g, self, ln1, position_ids, segment_ids)
+            mlp_in = ln1
+            if self.parallel_norms:
+                mlp_in, _ = g.rmsnorm(res, "ln2_weight", eps=self.eps, y_name="ln2", rstd_name="ln2_rstd")
+            mlp_in_flat = g.view(mlp_in, shape=[B * T, self.C], out_name="mlp_in_flat")
+            mlp_up = g.matmul(mlp_in_flat, "mlp_up_weight", out_name="mlp_up", **_MATMUL)
+            swiglu = g.swiglu(mlp_up, out_name="swiglu")
+            mlp_down_flat = g.matmul(swiglu, "mlp_down_weight", out_name="mlp_down_flat", **_MATMUL)
+            mlp_down = g.view(mlp_down_flat, shape=[B, T, self.C], out_name="mlp_down")
+            return g.add(att_out, mlp_down, out_name="parallel_out"), res
+
+
+@block
+class GPTNeoXBlock:
+    """HF ``GPTNeoXLayer``: LayerNorms with biases, fused ``query_key_value`` in GPT-NeoX's per-head layout
+    (each head's q, k, v rows together), partial rotate_half RoPE, GELU MLP with biases. With
+    ``use_parallel_residual`` (GPT-NeoX's default) ``h + attention(ln1(h)) + mlp(ln2(h))``, else the
+    sequential ``a = h + attention(ln1(h))``, ``a + mlp(ln2(a))``. Carries the one stream ``h``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_query_heads: int,
+        head_size: int | None,
+        d_ff: int,
+        max_seq: int,
+        eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        use_parallel_residual: bool = True,
+        use_qkv_bias: bool = True,
+        scaled_rope: dict[str, Any] | None = None,
+    ):
+        _init_attention(self, d_model, num_query_heads, num_query_heads, head_size, max_seq, eps, rope_theta,
+                        use_qkv_bias, False, use_qkv_bias, scaled_rope=scaled_rope)
+        self.use_parallel_residual, self.d_ff = use_parallel_residual, d_ff
+        self.M = Dim("d_ff")
+
+    ln1_weight = Param(Tensor["C", F], init="ones")
+    ln1_bias = Param(Tensor["C", F], init="zeros")
+    ln2_weight = Param(Tensor["C", F], init="ones")
+    ln2_bias = Param(Tensor["C", F], init="zeros")
+    qkv_weight = Param(Tensor["QKV", "C", F])  # rows per head: [q_h | k_h | v_h], h = 0, 1, ...
+    qkv_bias = Param(Tensor["QKV", F], when="use_qkv_bias", init="zeros")
+    out_weight = Param(Tensor["C", "AttnDim", F], lora_targets=["o"])
+    out_bias = Param(Tensor["C", F], when="use_qkv_bias", init="zeros")
+    mlp_up_weight = Param(Tensor["M", "C", F], lora_targets=["up"])
+    mlp_up_bias = Param(Tensor["M", F], init="zeros")
+    mlp_down_weight = Param(Tensor["C", "M", F], lora_targets=["down"])
+    mlp_down_bias = Param(Tensor["C", F], init="zeros")
+
+    h = Activation(Tensor["B", "T", "C", F], save=True, description="Block input: the residual stream")
+
+    def _mlp(self, g: Any, x: Any) -> Any:
+        ln2, _, _ = g.layernorm(x, "ln2_weight", "ln2_bias", eps=self.eps, y_name="ln2", rstd_name="ln2_rstd")
+        ln2_flat = g.view(ln2, shape=[B * T, self.C], out_name="ln2_flat")
+        up = g.matmul_bias(ln2_flat, "mlp_up_weight", "mlp_up_bias", out_name="mlp_up")
+        act = g.gelu(up, approximate="none", out_name="mlp_act")
+        down = g.matmul_bias(act, "mlp_down_weight", "mlp_down_bias", out_name="mlp_down_flat")
+        return g.view(down, shape=[B, T, self.C], out_name="mlp_down")
+
+    @forward
+    def forward(self, h: Tensor["B", "T", "C", F], position_ids: Tensor["B", "T", "int32"],
+                segment_ids: Tensor["B", "T", "int32"]) -> Tensor["B", "T", "C", F]:
+        with graph() as g:
+            ln1, _, _ = g.layernorm(h, "ln1_weight", "ln1_bias", eps=self.eps, y_name="ln1",
+                                    rstd_name="ln1_rstd")
+            att_out = _attention(g, self, ln1, position_ids, segment_ids, per_head_qkv=True)
+            if self.use_parallel_residual:
+                return g.add3(h, att_out, self._mlp(g, h), out_name="h_out")
+            mid = g.add(h, att_out, out_name="h_mid")
+            return g.add(mid, self._mlp(g, mid), out_name="h_out")
 
 
 @block
@@ -478,6 +662,12 @@ class HyperConnectionBlock:
     with ``h_pre = sigmoid(.)`` [n], ``h_post = 2 * sigmoid(.)`` [n] and ``h_res`` [n, n] made doubly
     stochastic by ``hc_sinkhorn_iters`` Sinkhorn-Knopp steps on ``exp(.)``. Only the block input is
     saved: every other slot is recomputed from it when the block's output gradient arrives (seed 001).
+
+    Bias-dropout-add (Megatron's): with ``bda_bias`` each sublayer's output gets a bias
+    (``attn_bda_bias``, ``mlp_bda_bias``, [C], zeros at init) and with ``hidden_dropout = p > 0`` a
+    dropout before it is spread over the streams, ``f <- dropout(f + bias, p)``; the two dropouts draw
+    independent counter-based masks (``dropout_seed``, offsets 0 and 2**31 in each layer), which a
+    recompute replays bit for bit. Inference (eval) runs without them.
     """
 
     def __init__(
@@ -495,16 +685,25 @@ class HyperConnectionBlock:
         use_qkv_bias: bool = False,
         use_qk_norm: bool = False,
         use_out_bias: bool = False,
+        scaled_rope: dict[str, Any] | None = None,
+        rope_interleaved: bool = False,
+        bda_bias: bool = False,
+        hidden_dropout: float = 0.0,
+        dropout_seed: int = 0,
     ):
         _init_attention(self, d_model, num_query_heads, num_kv_heads, head_size, max_seq, eps, rope_theta,
-                        use_qkv_bias, use_qk_norm, use_out_bias)
+                        use_qkv_bias, use_qk_norm, use_out_bias, scaled_rope=scaled_rope,
+                        rope_interleaved=rope_interleaved)
+        self.bda_bias, self.hidden_dropout, self.dropout_seed = bda_bias, float(hidden_dropout), dropout_seed
+        self.dropout_ok = 0.0 <= self.hidden_dropout < 1.0
         self.d_ff, self.n_streams, self.hc_sinkhorn_iters = d_ff, n_streams, hc_sinkhorn_iters
         self.M, self.S = Dim("d_ff"), Dim("n_streams")
         self.MUp = 2 * self.M
 
     # streams of width C; the mapping logits of a token: h_pre, h_post, h_res
     _dims_: ClassVar[dict[str, str]] = {"SC": "S * C", "HC": "2 * S + S * S"}
-    _constraints_ = (("n_streams >= 1", "n_streams must be positive"),)
+    _constraints_ = (("n_streams >= 1", "n_streams must be positive"),
+                     ("dropout_ok", "hidden_dropout must be a probability in [0, 1)"))
 
     ln1_weight = Param(Tensor["C", F], init="ones")
     qkv_weight = Param(Tensor["QKV", "C", F], lora_targets=QKV_LORA)
@@ -522,6 +721,8 @@ class HyperConnectionBlock:
     mlp_hc_norm_weight = Param(Tensor["SC", F], init="ones")
     mlp_hc_proj = Param(Tensor["HC", "SC", F])
     mlp_hc_bias = Param(Tensor["HC", F], init="zeros")
+    attn_bda_bias = Param(Tensor["C", F], when="bda_bias", init="zeros")
+    mlp_bda_bias = Param(Tensor["C", F], when="bda_bias", init="zeros")
 
     # The block input is the only checkpoint (seed 001's persistent input). Every other slot is
     # refilled by re-running its forward ops in forward order; recompute_from names what each reads.
@@ -551,8 +752,11 @@ class HyperConnectionBlock:
     att_out = Activation(Tensor["B", "T", "C", F], aliases=["att_out_flat"], recompute=True,
                          recompute_from=["ln1"], lora_targets=["q", "k", "v", "o"],
                          description="Attention output")
+    attn_biased = Activation(Tensor["B", "T", "C", F], recompute=True,
+                             recompute_from=["att_out", "@param:attn_bda_bias"], when="bda_bias",
+                             description="Attention output plus its bias-dropout-add bias")
     h_mid = Activation(Tensor["B", "T", "SC", F], recompute=True,
-                       recompute_from=["attn_mixed", "att_out", "attn_h_post"],
+                       recompute_from=["attn_mixed", "att_out", "?attn_biased", "attn_h_post"],
                        description="Streams after the attention sublayer")
     mlp_h_pre = Activation(
         Tensor["B * T", "S"],
@@ -577,6 +781,9 @@ class HyperConnectionBlock:
     mlp_down = Activation(Tensor["B", "T", "C", F], aliases=["mlp_down_flat"], recompute=True,
                           recompute_from=["ln2"], lora_targets=["gate", "up", "down"],
                           description="MLP output")
+    mlp_biased = Activation(Tensor["B", "T", "C", F], recompute=True,
+                            recompute_from=["mlp_down", "@param:mlp_bda_bias"], when="bda_bias",
+                            description="MLP output plus its bias-dropout-add bias")
     h_out = Activation(Tensor["B", "T", "SC", F], description="Block output: the next layer's streams")
 
     def _mappings(self, g: Any, s: str, h: Any) -> tuple[Any, Any, Any]:
@@ -611,6 +818,11 @@ class HyperConnectionBlock:
         pre3 = g.view(h_pre, shape=[B * T, 1, n], out_name=f"{s}_h_pre3")
         agg = g.batched_matmul(pre3, streams, out_name=f"{s}_in_rows")  # [N, 1, C]
         f_out = f(g.view(agg, shape=[B, T, c], out_name=f"{s}_in"))
+        if self.bda_bias:
+            f_out = g.bias_add(f_out, f"{s}_bda_bias", out_name=f"{s}_biased")
+        if self.hidden_dropout > 0:
+            f_out = g.custom("dropout", f_out, p=self.hidden_dropout, seed=self.dropout_seed,
+                             offset=0 if s == "attn" else 1 << 31, out_name=f"{s}_dropped")
         mixed = g.batched_matmul(h_res, streams, out_name=f"{s}_mixed")  # [N, n, C]
         spread = g.batched_matmul(g.view(h_post, shape=[B * T, n, 1], out_name=f"{s}_h_post3"),
                                   g.view(f_out, shape=[B * T, 1, c], out_name=f"{s}_out_rows"),
