@@ -420,3 +420,17 @@ def test_another_ignore_index_trains_the_same(tmp_path: Path, corpus: Path) -> N
     moved = train(write_config(tmp_path / "b", corpus, train={"steps": 3}, data={"ignore_index": -1}),
                   stream=io.StringIO())
     assert moved["losses"] == base["losses"] and moved["eval_loss_after"] == base["eval_loss_after"]
+
+
+def test_a_bf16_run_tracks_the_fp32_run(tmp_path: Path, corpus: Path) -> None:
+    """``train.precision = "bf16"``: the model trains under the bf16 recipe (its Programs say so), and its
+    losses follow the fp32 run's within bf16's precision."""
+    runs = {}
+    for recipe in ("fp32", "bf16"):
+        keys = {"steps": 6, "eval_every": 0, "checkpoint_every": 0, "precision": recipe}
+        path = write_config(tmp_path / recipe, corpus, train=keys)
+        out = io.StringIO()
+        runs[recipe] = train(path, stream=out)["losses"]
+    assert runs["bf16"] != runs["fp32"]
+    np.testing.assert_allclose(runs["bf16"], runs["fp32"], rtol=0.02)
+    assert runs["bf16"][-1] < runs["bf16"][0]

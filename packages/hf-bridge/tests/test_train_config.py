@@ -115,7 +115,8 @@ def test_out_of_range(tmp_path: Path, text: str, key: str, expected: str) -> Non
     ("[train]\nbackend = \"tpu\"\n", "train.backend", "'numpy'"),
     ("[optimizer]\nschedule = \"step\"\n", "optimizer.schedule", "'cosine', 'linear', 'constant'"),
     ("[model]\nsize = \"huge\"\n", "model.size", "'tiny', 'small', 'base'"),
-], ids=["mode", "recompute", "backend", "schedule", "size"])
+    ("[train]\nprecision = \"fp16\"\n", "train.precision", "'fp32', 'bf16'"),
+], ids=["mode", "recompute", "backend", "schedule", "size", "precision"])
 def test_invalid_choices_list_the_valid_ones(tmp_path: Path, text: str, key: str, valid: str) -> None:
     assert valid in error(tmp_path, text, key)
 

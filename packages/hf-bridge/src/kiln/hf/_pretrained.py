@@ -39,9 +39,12 @@ CONFIG_NAME = "config.json"
 #: the frozen model parameter holding the RoPE table of scaled RoPE variants
 ROPE_PARAM = "rope_freqs"
 # transformers' attribute_map aliases: configs may hold a value under the other name
-_ALIASES = {"num_experts": "num_local_experts"}
+_ALIASES = {"num_experts": "num_local_experts", "partial_rotary_factor": "rotary_pct",
+            "rope_theta": "rotary_emb_base"}
 _COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "pad_token_id": None,
                     "rope_theta": 10000.0}
+#: the MoE load-balancing loss: added to the loss only when the config asks for the router logits
+_AUX_DEFAULTS = {"output_router_logits": False, "router_aux_loss_coef": 0.001}
 #: transformers' defaults (its config classes') for every config key kiln reads: what a key a
 #: config.json omits means. None where transformers derives the value (``num_key_value_heads`` =
 #: ``num_attention_heads``, ``head_dim`` = ``hidden_size // num_attention_heads``), as the DSL models
@@ -60,7 +63,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
         "intermediate_size": 6144, "max_position_embeddings": 32768, "head_dim": None, "num_experts": 128,
         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-        "decoder_sparse_step": 1, "mlp_only_layers": []},
+        "decoder_sparse_step": 1, "mlp_only_layers": [], **_AUX_DEFAULTS},
     "MistralForCausalLM": {
         **_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
@@ -69,9 +72,16 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         **_COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "vocab_size": 32000,
         "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "intermediate_size": 14336, "max_position_embeddings": 131072, "head_dim": None,
-        "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2, **_AUX_DEFAULTS},
+    "GPTNeoXForCausalLM": {
+        "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+        "intermediate_size": 24576, "max_position_embeddings": 2048, "layer_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
+        "attention_bias": True, "tie_word_embeddings": False, "pad_token_id": None, "hidden_act": "gelu"},
 }
 _ACTIVATIONS = ("silu", "swish")
+#: architectures whose MLP is not SwiGLU: the activation their kiln block computes
+_ACTIVATION_OF = {"GPTNeoXForCausalLM": ("gelu",)}
 _SAVE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -119,11 +129,13 @@ def _architecture(config: Mapping[str, Any], file: Path) -> str:
                         key="architectures", file=file)
 
 
-def _check(config: Mapping[str, Any], file: Path) -> None:
+def _check(config: Mapping[str, Any], file: Path, arch: str = "") -> None:
     """Features of these configs the kiln models do not compute: refused rather than silently wrong."""
-    act = config.get("hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise HFConfigError(f"activation {act!r} is not supported; kiln's MLPs are SwiGLU (silu)",
+    allowed = _ACTIVATION_OF.get(arch, _ACTIVATIONS)
+    act = config.get("hidden_act", allowed[0])
+    if act not in allowed:
+        mlp = "GELU (exact)" if allowed == ("gelu",) else "SwiGLU (silu)"
+        raise HFConfigError(f"activation {act!r} is not supported; this architecture's kiln MLP is {mlp}",
                             key="hidden_act", file=file)
     if config.get("use_sliding_window"):
         raise HFConfigError("sliding-window attention is not supported", key="use_sliding_window", file=file)
@@ -136,13 +148,19 @@ def _check(config: Mapping[str, Any], file: Path) -> None:
                             key="layer_types", file=file)
 
 
-def _dsl_config(config: Mapping[str, Any], arch: str, file: Path) -> tuple[dict[str, Any], bool]:
-    """The config the DSL compiles, and whether RoPE needs a table (a scaled or partial RoPE)."""
+def with_defaults(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """``config`` as transformers reads it: legacy key names under their current ones, then the
+    architecture's defaults for the keys it omits."""
     given = dict(config)
     for name, alias in _ALIASES.items():
         if given.get(name) is None and given.get(alias) is not None:
             given[name] = given[alias]
-    out = {**HF_DEFAULTS.get(arch, {}), **given}
+    return {**HF_DEFAULTS.get(arch, {}), **given}
+
+
+def _dsl_config(config: Mapping[str, Any], arch: str, file: Path) -> tuple[dict[str, Any], bool]:
+    """The config the DSL compiles, and whether RoPE needs a table (a scaled or partial RoPE)."""
+    out = with_defaults(config, arch)
     try:
         rope = rope_parameters(out)
     except HFConfigError as e:
@@ -172,7 +190,7 @@ def compile_config(config: Mapping[str, Any], file: str | Path = CONFIG_NAME) ->
 
     file = Path(file)
     arch = _architecture(config, file)
-    _check(config, file)
+    _check(config, file, arch)
     dsl_config, table = _dsl_config(config, arch, file)
     payload = compile_model_for_hf(arch, dsl_config)
     if not payload["success"]:
@@ -183,7 +201,7 @@ def compile_config(config: Mapping[str, Any], file: str | Path = CONFIG_NAME) ->
     if table:
         model = bundle.module(bundle.entry)
         rows = config.get("max_position_embeddings") or model.config.get("max_seq")
-        inv_freq, _ = rope_inv_freq(config, head_dim=model.config.get("head_size"))
+        inv_freq, _ = rope_inv_freq(with_defaults(config, arch), head_dim=model.config.get("head_size"))
         bundle = with_rope_table(bundle, (int(rows), inv_freq.size, 2))
     return bundle, arch
 
@@ -427,7 +445,8 @@ def from_pretrained(path: str | Path, *, backend: str = "numpy", dtype: str = "f
     if ROPE_PARAM in model.parameter_specs():
         m = bundle.module(bundle.entry)
         rows = model.parameter_specs()[ROPE_PARAM][1][0]
-        model.set_parameters({ROPE_PARAM: rope_table(config, rows, head_dim=m.config.get("head_size"))})
+        model.set_parameters({ROPE_PARAM: rope_table(with_defaults(config, arch), rows,
+                                                     head_dim=m.config.get("head_size"))})
     return model
 
 

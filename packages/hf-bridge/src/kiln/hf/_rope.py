@@ -20,15 +20,15 @@ kiln ``rope``/``qkv_qk_norm_rope`` ops take a ``freqs`` table and no such factor
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from kiln.core.ops import ROPE_TYPES, rope_freqs_table
+from kiln.core.ops import rope_inv_freq as core_inv_freq
 from kiln.hf._errors import HFConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _NEEDS_ORIGINAL = ("llama3", "yarn", "longrope")
 _REQUIRED = {
     "linear": ("factor",),
@@ -36,7 +36,6 @@ _REQUIRED = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-_F32 = np.float32
 
 
 def _number(value: Any, key: str, *, positive: bool = True) -> float:
@@ -106,15 +105,6 @@ def _dims(config: Mapping[str, Any], params: Mapping[str, Any], head_dim: int | 
     return rotary_dim
 
 
-def _pow32(base: float, exponents: np.ndarray) -> np.ndarray:
-    """``float32(base) ** exponents`` rounded once to float32, as torch's float32 ``pow`` aims to."""
-    return np.power(np.float64(_F32(base)), exponents.astype(np.float64)).astype(_F32)
-
-
-def _exponents(dim: int) -> np.ndarray:
-    return np.arange(0, dim, 2).astype(_F32) / _F32(dim)
-
-
 def _max_positions(config: Mapping[str, Any]) -> int:
     value = config.get("max_position_embeddings")
     return int(_number(value, "max_position_embeddings"))
@@ -122,7 +112,8 @@ def _max_positions(config: Mapping[str, Any]) -> int:
 
 def rope_inv_freq(config: Mapping[str, Any], head_dim: int | None = None, rotary_dim: int | None = None, *,
                   seq_len: int | None = None) -> tuple[np.ndarray, float]:
-    """Float32 inverse frequencies ``[rotary_dim // 2]`` and attention scaling, as HF's ROPE_INIT_FUNCTIONS.
+    """Float32 inverse frequencies ``[rotary_dim // 2]`` and attention scaling, as HF's ROPE_INIT_FUNCTIONS
+    (computed by kiln-core's :func:`kiln.core.ops.rope_inv_freq`, which DSL models use too).
 
     ``head_dim`` defaults to the config's ``head_dim`` or ``hidden_size // num_attention_heads``;
     ``rotary_dim`` to ``int(head_dim * partial_rotary_factor)``. ``seq_len`` matters for ``dynamic``
@@ -131,64 +122,16 @@ def rope_inv_freq(config: Mapping[str, Any], head_dim: int | None = None, rotary
     """
     p = rope_parameters(config)
     dim = _dims(config, p, head_dim, rotary_dim)
-    kind, base = p["rope_type"], float(p["rope_theta"])
-    one = _F32(1.0)
-    if kind == "dynamic":
-        if dim <= 2:
-            raise HFConfigError(f"dynamic RoPE needs a rotary dim above 2, found {dim}", key="head_dim")
-        mpe, factor = _max_positions(config), float(p["factor"])
-        seq = max(seq_len or mpe, mpe)
-        base = base * ((factor * seq / mpe) - (factor - 1)) ** (dim / (dim - 2))
-    if kind != "yarn":
-        inv = one / _pow32(base, _exponents(dim))
-        if kind == "linear":
-            inv = inv / _F32(p["factor"])
-        elif kind == "llama3":
-            inv = _llama3(inv, p)
-        return inv, 1.0
-    return _yarn(config, p, dim, base)
-
-
-def _llama3(inv: np.ndarray, p: Mapping[str, Any]) -> np.ndarray:
-    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
-    old_len = float(p["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = _F32(old_len / low), _F32(old_len / high)
-    wavelen = (_F32(1.0) / inv) * _F32(2 * math.pi)  # torch evaluates ``c / t`` as ``t.reciprocal() * c``
-    scaled = np.where(wavelen > low_wavelen, inv / _F32(factor), inv)
-    smooth = ((_F32(1.0) / wavelen) * _F32(old_len) - _F32(low)) / _F32(high - low)
-    smoothed = (_F32(1.0) - smooth) * scaled / _F32(factor) + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(_F32)
-
-
-def _yarn(config: Mapping[str, Any], p: Mapping[str, Any], dim: int, base: float) -> tuple[np.ndarray, float]:
-    original = float(p["original_max_position_embeddings"])
-    factor = p["factor"]
-    factor = _max_positions(config) / original if factor is None else float(factor)
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = p.get("attention_factor")
-    if attention is None:
-        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def correction_dim(rotations: float) -> float:  # the dim whose wavelength turns `rotations` times
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: avoids a zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=_F32) - _F32(low)) / _F32(high - low), 0, 1)
-    extrapolation = _F32(1.0) - ramp
-    pos_freqs = _pow32(base, _exponents(dim))
-    inv = (_F32(1.0) / (_F32(factor) * pos_freqs)) * (_F32(1.0) - extrapolation) \
-        + (_F32(1.0) / pos_freqs) * extrapolation
-    return inv.astype(_F32), float(attention)
+    kind = p["rope_type"]
+    if kind == "dynamic" and dim <= 2:
+        raise HFConfigError(f"dynamic RoPE needs a rotary dim above 2, found {dim}", key="head_dim")
+    needs_max = kind == "dynamic" or (kind == "yarn" and p.get("factor") is None)
+    scaling = {k: p.get(k) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                     "attention_factor", "mscale", "mscale_all_dim")}
+    max_positions = _max_positions(config) if needs_max else None
+    return core_inv_freq(dim, float(p["rope_theta"]), kind, **scaling, truncate=p.get("truncate", True),
+                         max_position_embeddings=max_positions, seq_len=seq_len)
 
 
 def rope_table(config: Mapping[str, Any], max_seq: int, head_dim: int | None = None,
@@ -203,6 +146,4 @@ def rope_table(config: Mapping[str, Any], max_seq: int, head_dim: int | None = N
     if isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0:
         raise HFConfigError(f"max_seq must be a positive int, found {max_seq!r}", key="max_seq")
     inv, scaling = rope_inv_freq(config, head_dim, rotary_dim, seq_len=max_seq)
-    angle = np.arange(max_seq, dtype=_F32)[:, None] * inv[None, :]
-    table = np.stack([np.cos(angle.astype(np.float64)), np.sin(angle.astype(np.float64))], -1).astype(_F32)
-    return table if scaling == 1.0 else table * _F32(scaling)
+    return rope_freqs_table(max_seq, inv, scaling)

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
-from kiln.core import KilnError
+from kiln.core import KilnError, get_registry
 from kiln.hf import _checkpoint
 from kiln.hf._data import IGNORE_INDEX
 from kiln.hf._errors import DataError
@@ -52,7 +52,7 @@ MAX_SEQ = 2048
 #: keys a resumed run may change; any other change is refused
 _RESUMABLE = ("train.output_dir", "train.steps", "train.eval_every", "train.eval_batches",
               "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every",
-              "train.report_to")
+              "train.report_to", "parallel.zero", "parallel.tensor", "parallel.ranks")
 #: ``kiln train``'s exit codes for data errors and non-finite values (a config error exits 2, as every
 #: other KilnError; docs/training.md lists them all)
 EXIT_DATA, EXIT_NONFINITE = 3, 4
@@ -174,6 +174,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "seq_len": Key("int", 64, check=_at_least(1)),
         "recompute": Key("str", "dsl", _recompute_modes),
         "memory_budget": Key("budget"),
+        "precision": Key("str", "fp32", ("fp32", "bf16")),
         "eval_every": Key("int", 50, check=_at_least(0)),
         "eval_batches": Key("int", 8, check=_at_least(1)),
         "checkpoint_every": Key("int", 50, check=_at_least(0)),
@@ -197,6 +198,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "nesterov": Key("bool", False),
         "decay_norms_and_biases": Key("bool", False),
         "groups": Key("groups", None),
+    },
+    "parallel": {
+        "zero": Key("bool", False),
+        "tensor": Key("int", 1, check=_at_least(1)),
+        "ranks": Key("int", None, check=_at_least(1)),
     },
     "lora": {
         "r": Key("int", 8, check=_at_least(1)),
@@ -241,7 +247,8 @@ class TrainConfig:
     def plan(self) -> tuple[Any, dict[str, Any]]:
         """What ``kiln plan CONFIG.toml`` plans: the IR of the model the run trains, and the settings of
         its training step: ``mode``, ``recompute``, ``budget``, ``batch``, ``seq``, ``backend``,
-        ``optimizer`` and ``passes`` (in LoRA mode, the ``lora`` pass with the ``[lora]`` table)."""
+        ``optimizer``, ``precision`` and ``passes`` (in LoRA mode, the ``lora`` pass with the ``[lora]``
+        table)."""
         from kiln.hf import load_tokenizer
 
         t, tokenizer = self["train"], self["data"]["tokenizer"]
@@ -252,8 +259,9 @@ class TrainConfig:
                                      load_tokenizer(tokenizer).get_vocab_size(with_added_tokens=True))
         return bundle, {"mode": t["mode"], "recompute": t["recompute"], "budget": t["memory_budget"],
                         "batch": t["batch_size"], "seq": t["seq_len"], "backend": t["backend"],
-                        "optimizer": _optimizer(self, t["steps"]),
-                        "passes": [("lora", dict(self["lora"]))] if t["mode"] == "lora" else []}
+                        "optimizer": _optimizer(self, t["steps"]), "precision": t["precision"],
+                        "passes": [("lora", dict(self["lora"]))] if t["mode"] == "lora" else [],
+                        **_plan_parallel(self)}
 
 
 def _jsonable(v: Any, root: Path | None = None) -> Any:
@@ -332,7 +340,7 @@ def _value(key: str, spec: Key, value: Any, base: Path, file: Path | None) -> An
             return parse_budget(value)
         except KilnError as e:
             raise bad(f"{e.message}; expected {_KINDS[kind]}") from None
-    if valid is not None and value not in valid:
+    if valid is not None and value not in valid and not (key == "model.name" and _model_file_source(value)):
         close = difflib.get_close_matches(str(value), list(map(str, valid)), n=1)
         raise bad(f"{value!r} is not one of {', '.join(map(repr, valid))}"
                   + (f" (did you mean {close[0]!r}?)" if close else ""))
@@ -695,6 +703,30 @@ def data_summary(config: TrainConfig, ds: Any) -> str:
 # -- models trained from scratch
 
 
+def _model_file_source(name: str) -> Any:
+    """The model source that reads ``model.name`` as a model file and gives its kiln-dsl class
+    (kiln-dsl-text: ``FILE.kiln`` or ``FILE.kiln:Model``), or None for a registered model's name."""
+    sources = get_registry("model_sources")
+    for key in sources:
+        source = sources[key]
+        if callable(getattr(source, "model_class", None)) and source.claims(name):
+            return source
+    return None
+
+
+def _model_ref(config: TrainConfig) -> Any:
+    """What kiln-dsl compiles for ``model.name``: the registered model's name, or the class of a model
+    file (relative to the config's folder)."""
+    name, file = config["model"]["name"], config.file
+    source = _model_file_source(name)
+    if source is None:
+        return name
+    try:
+        return source.model_class(name, Path(file).parent if file is not None else Path.cwd())
+    except KilnError as e:
+        raise TrainConfigError(f"the model file does not compile: {e}", key="model.name", file=file) from None
+
+
 def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
     """The IR of ``model.name``: its size preset, then ``model.config``; the vocabulary the tokenizer's."""
     from kiln.dsl import build_bundle
@@ -703,12 +735,13 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
     given = dict(model["config"])
     from kiln.dsl import config_keys, config_type_errors, unknown_config_keys
 
-    for key, close in unknown_config_keys(model["name"], given):
-        takes = ", ".join(config_keys(model["name"]) or [])
+    ref = _model_ref(config)
+    for key, close in unknown_config_keys(ref, given):
+        takes = ", ".join(config_keys(ref) or [])
         raise TrainConfigError(f"is not a config key of {model['name']}"
                                + (f" (did you mean {close!r}?)" if close else ""), key=f"model.config.{key}",
                                file=file, hint=f"{model['name']} takes {takes}")
-    for key, value, expected in config_type_errors(model["name"], given):
+    for key, value, expected in config_type_errors(ref, given):
         raise TrainConfigError(f"expected {expected}, found {type(value).__name__} {value!r}",
                                key=f"model.config.{key}", file=file)
     vocab = vocab_size or config["data"]["vocab_size"]
@@ -719,7 +752,7 @@ def _scratch_bundle(config: TrainConfig, vocab_size: int | None) -> Any:
         raise TrainConfigError(f"{given['max_seq']} is below train.seq_len = {seq}",
                                key="model.config.max_seq", file=file)
     try:
-        return build_bundle(model["name"], {**_COMMON, **PRESETS[model["size"]], "vocab_size": vocab,
+        return build_bundle(ref, {**_COMMON, **PRESETS[model["size"]], "vocab_size": vocab,
                                             "max_seq": max(seq, MAX_SEQ), **given})
     except KilnError as e:
         raise TrainConfigError(f"model {model['name']!r} ({model['size']}) does not compile with this "
@@ -992,23 +1025,71 @@ def _check_utf8(file: Path) -> None:
             offset += len(chunk)
 
 
+def _plan_parallel(config: TrainConfig) -> dict[str, Any]:
+    """``[parallel]`` as ``kiln plan CONFIG.toml`` plans it: ``ranks`` (``parallel.ranks``, else the
+    tensor-parallel degree: one group), ``tensor`` and ``zero``; nothing for a one-process run."""
+    par = config["parallel"]
+    ranks = par["ranks"] or (par["tensor"] if par["tensor"] > 1 else None)
+    if ranks is None and par["zero"]:
+        raise TrainConfigError("ZeRO-1 splits the optimizer state over the ranks: kiln plan needs their "
+                               "number", key="parallel.zero", file=config.file,
+                               hint="set parallel.ranks = N (or pass --ranks N)")
+    if ranks is None or ranks == 1:
+        return {}
+    _check_parallel(config, ranks, f"parallel.ranks = {ranks}" if par["ranks"] else
+                    "one tensor-parallel group")
+    return {"ranks": ranks, "tensor": par["tensor"], "zero": par["zero"]}
+
+
+def _check_parallel(config: TrainConfig, ranks: int, what: str) -> None:
+    """``[parallel]`` against the number of ranks: the tensor-parallel degree divides them, the
+    data-parallel ranks (the others) divide the batch, and ``parallel.ranks`` (when set) is them."""
+    par, file = config["parallel"], config.file
+    tensor = par["tensor"]
+    if par["ranks"] is not None and par["ranks"] != ranks:
+        raise TrainConfigError(f"{par['ranks']} ranks, but the run has {ranks} ({what})",
+                               key="parallel.ranks", file=file,
+                               hint=f"run with --nproc {par['ranks']}, or set parallel.ranks = {ranks}")
+    if ranks % tensor:
+        raise TrainConfigError(f"{tensor} does not divide the {ranks} ranks ({what}): each group of "
+                               f"{tensor} consecutive ranks holds the model in slices", key="parallel.tensor",
+                               file=file)
+    if tensor > 1 and config["train"]["mode"] == "lora":
+        raise TrainConfigError("tensor parallelism trains the whole model: LoRA runs data parallel only",
+                               key="parallel.tensor", file=file)
+    if config["train"]["batch_size"] % (ranks // tensor):
+        raise TrainConfigError(f"{config['train']['batch_size']} is not a multiple of the {ranks // tensor} "
+                               f"data-parallel ranks ({what}"
+                               + (f", over parallel.tensor = {tensor}" if tensor > 1 else "")
+                               + "): each rank trains an equal share of the global batch",
+                               key="train.batch_size", file=file)
+
+
 def _data_parallel(config: TrainConfig) -> Any:
-    """kiln-dist's ``DataParallel`` when this process is one of several MPI ranks, else None."""
+    """kiln-dist's parallelism of this rank (``DataParallel``, or ``TensorParallel`` over ``[parallel]
+    tensor`` ranks) when this process is one of several MPI ranks, else None."""
+    tensor = config["parallel"]["tensor"]
     try:
-        from kiln.dist import DataParallel, launched
+        from kiln.dist import DataParallel, TensorParallel, grid, launched
     except ImportError:
+        if tensor > 1:
+            raise TrainConfigError("needs kiln-dist (pip install kiln-dist)", key="parallel.tensor",
+                                   file=config.file) from None
         return None
-    if not launched():
-        return None
-    dp = DataParallel("mpi")
-    world = dp.communicator.world_size
+    world = DataParallel("mpi").communicator.world_size if launched() else 1
     if world == 1:
+        if config["parallel"]["ranks"] not in (None, 1):
+            _check_parallel(config, 1, "one process")
+        if tensor > 1:
+            raise TrainConfigError(f"{tensor} needs {tensor} ranks or a multiple: run with --nproc",
+                                   key="parallel.tensor", file=config.file)
         return None
-    if config["train"]["batch_size"] % world:
-        raise TrainConfigError(f"{config['train']['batch_size']} is not a multiple of the {world} "
-                               "data-parallel ranks: each rank trains an equal share of the global batch",
-                               key="train.batch_size", file=config.file)
-    return dp
+    _check_parallel(config, world, f"{world} MPI ranks")
+    if tensor == 1:
+        return DataParallel("mpi", zero=int(config["parallel"]["zero"]))
+    dp, tp = grid(tensor)
+    zero = int(config["parallel"]["zero"])  # ZeRO-1 over the data-parallel axis of the grid
+    return TensorParallel(tp, DataParallel(dp, zero=zero) if world > tensor else None)
 
 
 class _Run:
@@ -1016,9 +1097,12 @@ class _Run:
         self.c, self.resume, self.debug_nans, self.stream = config, resume, debug_nans, stream
         train = config["train"]
         self.dp = _data_parallel(config)
-        # rank 0 writes the run folder; the other data-parallel ranks, whose weights and optimizer
-        # state are the same, read its checkpoints and write and print nothing
-        self.rank = 0 if self.dp is None else self.dp.communicator.rank
+        #: every rank of the job (a signal stops them all after the same step)
+        self.world = None if self.dp is None else get_registry("communicators")["mpi"]
+        # rank 0 writes the run folder; the other ranks, whose weights and optimizer state are the
+        # same (or slices of it, gathered to save), read its checkpoints and write and print nothing
+        self.rank = 0 if self.world is None else self.world.rank
+        self.whole: Any = None  # the whole model, where the ranks hold slices (tensor parallelism)
         self.dir = Path(train["output_dir"])
         if self.rank:
             self.stream = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the run)
@@ -1086,10 +1170,12 @@ class _Run:
         m, t = self.c["model"], self.c["train"]
         optimizer = _optimizer(self.c, self.steps)
         options = {"seed": m["seed"], "optimizer": optimizer, "backend": t["backend"], "mode": self.mode,
-                   "recompute": t["recompute"], "recompute_budget": t["memory_budget"]}
+                   "recompute": t["recompute"], "recompute_budget": t["memory_budget"],
+                   "precision": t["precision"]}
         if self.c["data"]["ignore_index"] != IGNORE_INDEX:  # the losses ignore the data's label
             options["passes"] = [("ignore_index", {"value": self.c["data"]["ignore_index"]})]
-        if self.dp is not None:
+        tp = self.c["parallel"]["tensor"] > 1 and self.dp is not None
+        if self.dp is not None and not tp:
             options["data_parallel"] = self.dp
         if m["checkpoint"] is not None:
             from kiln.hf import from_pretrained
@@ -1104,9 +1190,17 @@ class _Run:
             self.bundle = _scratch_bundle(self.c, vocab_size)
             model = Model.from_ir(self.bundle, **options)
             what = f"{m['name']} ({m['size']}) from scratch"
-        if self.mode == "lora":
-            from kiln.core import get_registry
+        if tp:  # each rank trains its slices of the whole model, which rank 0 keeps to export
+            from kiln.dist import shard
 
+            group = get_registry("communicators")[self.dp.comm]
+            sliced = Model.from_ir(model.ir, **{**options, "init": None, "parallel": self.dp})
+            sliced.set_parameters(shard(model.parameters(), model.ir, group.rank, group.world_size))
+            self.whole, model = (model if not self.rank else None), sliced
+            what += f", {group.world_size}-way tensor parallel"
+            if self.dp.data_parallel is not None and self.dp.data_parallel.zero:
+                what += f", ZeRO-1 over {self.dp.data_parallel.communicator.world_size} data-parallel ranks"
+        if self.mode == "lora":
             model = get_registry("adapters")["lora"].apply(model, _lora_config(self.c), seed=m["seed"])
         try:  # compiles the training step: the recompute plan may not fit the budget
             params = model.program(t["batch_size"], t["seq_len"]).params
@@ -1123,10 +1217,18 @@ class _Run:
 
     # -- checkpoints
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state of the whole model, whatever the number of ranks (every rank calls it)."""
+        if self.dp is None:
+            return dict(self.model.state_dict())
+        from kiln.dist import gather_state
+
+        return gather_state(self.model)
+
     def save(self, step: int, eval_loss: float | None = None) -> Path:
-        if self.rank:  # rank 0 saves the state every rank holds
+        state = self.state_dict()
+        if self.rank:  # rank 0 saves the state of the whole model
             return self.ckpts
-        state = self.model.state_dict()
         opt = state["optimizer"]
         trainable = self.model.trainable
         weights = {k: v for k, v in state["parameters"].items() if self.mode == "full" or trainable[k]}
@@ -1163,7 +1265,12 @@ class _Run:
             for key, value in moments.items():
                 which, _, param = key.partition(".")
                 opt.setdefault(which, {})[param] = value
-            self.model.load_state_dict({"parameters": weights, "optimizer": opt})
+            if self.dp is None:
+                self.model.load_state_dict({"parameters": weights, "optimizer": opt})
+            else:  # a whole model's state: this rank takes its slices and its share
+                from kiln.dist import scatter_state
+
+                scatter_state(self.model, {"parameters": weights, "optimizer": opt})
             if "model" in state["rng"] and hasattr(self.model, "set_rng_state"):
                 self.model.set_rng_state(state["rng"]["model"])
             data = state["data"]
@@ -1271,6 +1378,10 @@ class _Run:
                 self.progress.close()
                 self.progress = None
             metrics.close()
+        if self.dp is not None and self.c["parallel"]["tensor"] > 1:
+            weights = self.state_dict()["parameters"]  # every rank's slices, gathered
+            if self.whole is not None:
+                self.whole.set_parameters(weights)
         if self.rank:  # rank 0 writes the outputs
             return {"output_dir": self.dir, "losses": [r["loss"] for r in metrics.records if "loss" in r],
                     "signal": self.stop or None}
@@ -1316,9 +1427,9 @@ class _Run:
             if self.progress is not None:
                 self.progress.update(step, stats["loss"], stats["tokens"], record.get("eval_loss"),
                                      lr=stats["lr"], grad_norm=stats["grad_norm"], elapsed=record["elapsed"])
-            if self.dp is not None:  # a signal stops every rank after the same step
+            if self.world is not None:  # a signal stops every rank after the same step
                 flag = np.array([float(self.stop)])
-                self.dp.communicator.all_reduce(flag)
+                self.world.all_reduce(flag)
                 self.stop = self.stop or (signal.SIGTERM if flag[0] else 0)
             if (saves and step % saves == 0) or step == self.steps or self.stop:
                 self.save(step, record.get("eval_loss"))
@@ -1360,7 +1471,7 @@ class _Run:
         if self.mode == "lora":
             out = summary["adapter"] = _replace_dir(self.dir / "adapter", self.model.save_pretrained)
         else:
-            model = self.model
+            model = self.model if self.whole is None else self.whole
             out = summary["model"] = _replace_dir(self.dir / "model", lambda d: save_pretrained(model, d))
         self.save_tokenizer(tokenizer, out, eos)
         if self.mode != "lora":
@@ -1399,10 +1510,7 @@ def launch(args: Any) -> int:
     if isinstance(args.nproc, bool) or not isinstance(args.nproc, int) or args.nproc < 1:
         raise KilnError(f"--nproc {args.nproc}: expected a number of ranks >= 1")
     config = load_train_config(args.config)  # a bad config is reported once, before any rank starts
-    if config["train"]["batch_size"] % args.nproc:
-        raise TrainConfigError(f"{config['train']['batch_size']} is not a multiple of --nproc {args.nproc}: "
-                               "each rank trains an equal share of the global batch", key="train.batch_size",
-                               file=config.file)
+    _check_parallel(config, args.nproc, f"--nproc {args.nproc}")
     try:
         from kiln.dist import launch as start_ranks
         from kiln.dist import launched
