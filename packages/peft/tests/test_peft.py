@@ -114,6 +114,9 @@ def test_recompute_gives_the_same_adapter_gradients_bit_for_bit(bundle: Bundle, 
     assert losses[0] == losses[1]
     plan = replayed.program(2, 9).recompute
     replays = [op for rop in plan.block(BLOCK).ops for op in rop.replay]
+    if mode == "offload":  # moves the activations to the host and back: nothing is replayed
+        assert not replays and plan.block(BLOCK).offloaded, plan.pretty()
+        return
     assert any(op.type == "dropout" for op in replays), plan.pretty()  # LoRA terms are replayed too
 
 
@@ -238,7 +241,7 @@ def test_a_target_the_model_lacks_names_it(bundle: Bundle, tmp_path: Path) -> No
 @pytest.mark.parametrize(("change", "culprit"), [
     ({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"layers_to_transform": [0]}, "layers_to_transform"), ({"bias": "all"}, "bias"),
-    ({"init_lora_weights": "pissa"}, "init_lora_weights"), ({"peft_type": "IA3"}, "peft_type"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights"), ({"peft_type": "LOHA"}, "peft_type"),
     ({"lora_dropout": 1.5}, "lora_dropout"), ({"r": 0}, "'r'"),
 ])
 def test_settings_kiln_does_not_compute_are_refused_by_name(bundle: Bundle, tmp_path: Path,

@@ -14,6 +14,7 @@ from kiln.core.ir import Bundle
 from kiln.peft import _safetensors
 from kiln.peft._config import ALL_LINEAR, LoraConfig
 from kiln.peft._errors import AdapterError
+from kiln.peft._ia3 import IA3Config, IA3Site, apply_ia3
 from kiln.peft._lora import Site, apply, init_spec
 
 CONFIG_NAME = "adapter_config.json"
@@ -42,15 +43,19 @@ class PeftModel(Model):
     holds its own copy of them, so both take memory until the base model is dropped.
     """
 
-    def __init__(self, model: Model, config: LoraConfig, *, is_trainable: bool = True, seed: int = 0,
-                 **options: Any) -> None:
+    def __init__(self, model: Model, config: LoraConfig | IA3Config, *, is_trainable: bool = True,
+                 seed: int = 0, **options: Any) -> None:
         if isinstance(model, PeftModel):
             raise AdapterError("the model already has adapters; merge_and_unload() it first")
         if not isinstance(model, Model):
             raise KilnError(f"expected a kiln.core.Model, found {type(model).__name__}")
-        if not isinstance(config, LoraConfig):
-            raise KilnError(f"expected a kiln.peft.LoraConfig, found {type(config).__name__}")
-        bundle, self.sites = apply(_bundle(model), config, trainable=is_trainable)
+        if isinstance(config, IA3Config):
+            bundle, sites = apply_ia3(_bundle(model), config, trainable=is_trainable)
+        elif isinstance(config, LoraConfig):
+            bundle, sites = apply(_bundle(model), config, trainable=is_trainable)
+        else:
+            raise KilnError(f"expected a kiln.peft.LoraConfig or IA3Config, found {type(config).__name__}")
+        self.sites: list[Any] = list(sites)
         self.peft_config = {"default": config}
         self._base = model
         self._names = {kiln: peft for s in self.sites for kiln, peft, _ in s.tensors()}
@@ -65,6 +70,12 @@ class PeftModel(Model):
         """Draw the adapters as PEFT initialises them."""
         rng = np.random.default_rng(seed)
         config = self.peft_config["default"]
+        if isinstance(config, IA3Config):  # ones, or (init_ia3_weights=False) standard normal as PEFT draws
+            spec = {"kind": "ones"} if config.init_ia3_weights else {"kind": "normal", "std": 1.0}
+            shapes = self.parameter_specs()
+            self.set_parameters({key: init_value(spec, shapes[key][1], rng, 0.0, key)
+                                 for s in self.sites for key, _, _ in s.tensors()})
+            return
         self.set_parameters({key: init_value(init_spec(config, s, ab), s.shape(ab), rng, 0.0, key)
                              for s in self.sites for key, _, ab in s.tensors()})
 
@@ -84,7 +95,8 @@ class PeftModel(Model):
                                "adapter_model.safetensors", file=config_file) from None
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise AdapterError(f"cannot be read: {exc}", file=config_file) from None
-        config = LoraConfig.from_dict(data, file=config_file)
+        ia3 = isinstance(data, Mapping) and data.get("peft_type") == "IA3"
+        config = (IA3Config if ia3 else LoraConfig).from_dict(data, file=config_file)
         try:
             peft = cls(model, config, is_trainable=is_trainable, **options)
         except AdapterError as exc:
@@ -102,7 +114,8 @@ class PeftModel(Model):
 
     def adapter_state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the adapter weights, by PEFT file name."""
-        return {peft: self.parameter(kiln) for kiln, peft in self._names.items()}
+        shapes = {kiln: s.shape(ab) for s in self.sites for kiln, _, ab in s.tensors()}
+        return {peft: self.parameter(kiln).reshape(shapes[kiln]) for kiln, peft in self._names.items()}
 
     def load_adapter_state_dict(self, tensors: Mapping[str, Any], *, file: str | Path | None = None) -> None:
         """Set every adapter weight from ``tensors`` (by PEFT file name). All keys and shapes are checked
@@ -118,9 +131,12 @@ class PeftModel(Model):
                 raise AdapterError("is missing: the adapter config targets this module", file=file, key=name)
             found = tuple(np.shape(tensors[name]))
             if found != shape:
-                raise AdapterError(f"is {list(found)}; with r={s.r} and the model's {s.size} x "
+                what = "IA3" if isinstance(s, IA3Site) else f"r={s.r}"
+                raise AdapterError(f"is {list(found)}; with {what} and the model's {s.size} x "
                                    f"{s.in_features} weight kiln expects {list(shape)}", file=file, key=name)
-        self.set_parameters({kiln: tensors[name] for name, (kiln, _, _) in expected.items()})
+        own = self.parameter_specs()
+        self.set_parameters({kiln: np.reshape(tensors[name], own[kiln][1])
+                             for name, (kiln, _, _) in expected.items()})
 
     def loss_and_grads(self, input_ids: Any, labels: Any, *, attention_mask: Any = None,
                        position_ids: Any = None, names: str = "peft") -> tuple[float, dict[str, np.ndarray]]:
@@ -140,7 +156,7 @@ class PeftModel(Model):
         config = self.peft_config["default"]
         name = getattr(self._base, "hf_config", {}).get("_name_or_path")
         extra: dict[str, Any] = {"base_model_name_or_path": name}
-        if config.target_modules == ALL_LINEAR:  # PEFT too saves the modules "all-linear" resolved to
+        if isinstance(config, LoraConfig) and config.target_modules == ALL_LINEAR:  # as PEFT resolves it
             extra["target_modules"] = sorted({p.rsplit(".", 1)[-1] for s in self.sites for p in s.paths})
         _safetensors.write(folder / WEIGHTS_NAME, self.adapter_state_dict())
         text = json.dumps(config.to_dict(**extra), indent=2) + "\n"
@@ -161,6 +177,13 @@ class PeftModel(Model):
             for i in range(len(s.paths)):
                 key = s.weight_key(i)
                 w = merged.setdefault(key, self.parameter(key))
+                if isinstance(s, IA3Site):  # W * l: its rows, or (feed-forward) its columns
+                    scale = self.parameter(s.key(i))
+                    if s.feedforward:
+                        w *= scale[None, :]
+                    else:
+                        w[s.start:s.start + s.size] *= scale[:, None]
+                    continue
                 a, b = self.parameter(s.key(i, "A")), self.parameter(s.key(i, "B"))
                 w[s.start:s.start + s.size] += (b @ a) * s.scaling
         self._base.set_parameters(merged)
@@ -182,8 +205,8 @@ def _modules(sites: list[Site]) -> str:
     return ", ".join(sorted({p.rsplit(".", 1)[-1] for s in sites for p in s.paths}))
 
 
-def get_peft_model(model: Model, peft_config: LoraConfig, **options: Any) -> PeftModel:
-    """``model`` with the LoRA adapters ``peft_config`` describes, freshly initialised.
+def get_peft_model(model: Model, peft_config: LoraConfig | IA3Config, **options: Any) -> PeftModel:
+    """``model`` with the LoRA (or IA³) adapters ``peft_config`` describes, freshly initialised.
 
     ``options`` go to the :class:`PeftModel` (``seed`` of the adapters' initialisation, ``optimizer``,
     ``recompute``, ``recompute_budget``); by default it takes the base model's.

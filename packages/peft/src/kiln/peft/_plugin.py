@@ -9,9 +9,11 @@ hookimpl = pluggy.HookimplMarker("kiln")
 
 @hookimpl
 def kiln_register_graph_passes(registry: Any) -> None:
+    from kiln.peft._ia3 import ia3
     from kiln.peft._lora import lora
 
     registry.register("lora", lora)
+    registry.register("ia3", ia3)
 
 
 class LoraAdapter:
@@ -35,6 +37,19 @@ class LoraAdapter:
         return get_peft_model(model, config, **options)
 
 
+class IA3Adapter(LoraAdapter):
+    """The ``ia3`` adapter: ``config(**settings)`` is a :class:`~kiln.peft.IA3Config`."""
+
+    name = "ia3"
+
+    @property
+    def config_class(self) -> Any:
+        from kiln.peft._ia3 import IA3Config
+
+        return IA3Config
+
+
 @hookimpl
 def kiln_register_adapters(registry: Any) -> None:
     registry.register("lora", LoraAdapter())
+    registry.register("ia3", IA3Adapter())
