@@ -36,7 +36,7 @@ def one_process() -> tuple[dict[str, np.ndarray], np.ndarray]:
 RANKS = int(os.environ.get("KILN_DIST_RANKS", "2"))
 
 
-def ranks(tmp_path: Path, zero: int, micro_batches: int) -> list[Any]:
+def ranks(tmp_path: Path, zero: int | str, micro_batches: int) -> list[Any]:
     status = launch(RANKS, [str(HERE / "_worker.py"), str(tmp_path), "mpi", str(zero), str(micro_batches)],
                     env={"KILN_NUM_THREADS": "1"})
     assert status == 0
@@ -78,6 +78,72 @@ def test_zero1_on_two_ranks_equals_one_process_with_half_the_optimizer_state(tmp
     assert sum(shares) == full and max(shares) <= full / RANKS + biggest, (shares, full)
     if RANKS == 2:
         assert max(shares) <= 0.51 * full
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_all_reduces_overlapped_with_the_backward_give_the_same_bits(tmp_path: Path,
+                                                                     micro_batches: int) -> None:
+    """Each bucket's all-reduce starts in the backward once its gradients are final and is waited
+    for in grad_sync: the same sums as after the backward (with micro-batches, whose accumulated
+    gradients change after the first start, the wait sums them again)."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "overlap").mkdir()
+    plain = ranks(tmp_path / "plain", zero=0, micro_batches=micro_batches)
+    overlapped = ranks(tmp_path / "overlap", zero="overlap", micro_batches=micro_batches)
+    for a, b in zip(plain, overlapped, strict=True):
+        assert (a["stats"] == b["stats"]).all()
+        assert all((a[k] == b[k]).all() for k in a.files if k.startswith("param:"))
+        steps = list(zip(b["collectives"], b["phases"], strict=True))
+        starts = [p for k, p in steps if k == "bucket_all_reduce_start"]
+        waits = [p for k, p in steps if k == "bucket_all_reduce_wait"]
+        assert len(starts) == len(waits) == len(a["collectives"]) > 1
+        assert set(starts) == {"backward"} and set(waits) == {"grad_sync"}
+        # the first buckets (the last layers' gradients) start while most of the backward is still to run
+        left = list(b["backward_left"])
+        assert left[0] > 10 and left == sorted(left, reverse=True)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_zero1_reduce_scatters_overlapped_with_the_backward_give_the_same_bits(tmp_path: Path,
+                                                                             micro_batches: int) -> None:
+    """ZeRO-1 with overlap=True: each bucket's reduce-scatter starts in the backward once its
+    gradients are final and is waited for in grad_sync; the results are the plain ZeRO-1 run's bit
+    for bit (with micro-batches too, whose accumulated gradients the wait reduce-scatters again)."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "overlap").mkdir()
+    plain = ranks(tmp_path / "plain", zero=1, micro_batches=micro_batches)
+    overlapped = ranks(tmp_path / "overlap", zero="overlap1", micro_batches=micro_batches)
+    for a, b in zip(plain, overlapped, strict=True):
+        assert (a["stats"] == b["stats"]).all()
+        assert all((a[k] == b[k]).all() for k in a.files if k.startswith("param:"))
+        assert int(a["state_bytes"]) == int(b["state_bytes"])  # the same 1/N of the optimizer state
+        steps = list(zip(b["collectives"], b["phases"], strict=True))
+        starts = [p for k, p in steps if k == "bucket_reduce_scatter_start"]
+        waits = [p for k, p in steps if k == "bucket_reduce_scatter_wait"]
+        scatters = [k for k in a["collectives"] if k == "bucket_reduce_scatter"]
+        assert len(starts) == len(waits) == len(scatters) > 1
+        assert set(starts) == {"backward"} and set(waits) == {"grad_sync"}
+        assert "bucket_reduce_scatter" not in set(b["collectives"])
+        left = list(b["backward_left"])
+        assert left[0] > 10 and left == sorted(left, reverse=True)
+
+
+def test_overlapped_reduce_scatter_on_one_rank_and_its_attributes() -> None:
+    """The local communicator's reduce-scatter completes when started; a wait without its start is
+    an error naming the bucket (a KeyError would say nothing)."""
+    from kiln.dist._ops import PENDING, bucket_reduce_scatter_start, bucket_reduce_scatter_wait
+
+    with PluginSession().activate():
+        grads = [np.arange(6.0).reshape(2, 3), np.ones(4)]
+        want = [g.copy() for g in grads]
+        bucket_reduce_scatter_start(*grads, communicator="local", owners=(0, 0), bucket=7)
+        grads[1] += 1  # changed after the start: summed again, as it is now
+        bucket_reduce_scatter_wait(*grads, communicator="local", owners=(0, 0), bucket=7)
+        np.testing.assert_array_equal(grads[0], want[0])
+        np.testing.assert_array_equal(grads[1], want[1] + 1)
+        assert not PENDING
+        with pytest.raises(KilnError, match=r"bucket_reduce_scatter_wait of bucket 7 over 'local': no "):
+            bucket_reduce_scatter_wait(*grads, communicator="local", owners=(0, 0), bucket=7)
 
 
 class ThirdOfThree:

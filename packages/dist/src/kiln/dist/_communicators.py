@@ -16,7 +16,8 @@ from kiln.dist._launch import note_collective, note_stop, ranks_behind, timeout
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["LocalCommunicator", "MpiCommunicator", "NcclCommunicator", "mpi_available", "nccl_available"]
+__all__ = ["LocalCommunicator", "MpiCommunicator", "NcclCommunicator", "bind_gpu", "local_rank",
+           "mpi_available", "nccl_available"]
 
 
 def mpi_available() -> bool:
@@ -27,6 +28,47 @@ def mpi_available() -> bool:
 def nccl_available() -> bool:
     """Whether nccl4py is installed (``pip install 'kiln-dist[nccl]'``, on a machine with GPUs)."""
     return importlib.util.find_spec("nccl") is not None
+
+
+def local_rank(comm: Any = None) -> int:
+    """This rank's index among the ranks of its node (MPI's shared-memory split of ``comm``, the world
+    by default)."""
+    from mpi4py import MPI
+
+    world = comm if comm is not None else MPI.COMM_WORLD
+    return int(world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank())
+
+
+def bind_gpu() -> str:
+    """Give this rank one GPU, the one of its node-local rank: ``CUDA_VISIBLE_DEVICES`` set to that
+    GPU (of the list already there, as Slurm sets it, else of the node's GPUs), so the ``cuda``
+    backend (which uses the first GPU it sees) and the ``nccl`` communicator use the same one. Call it
+    before anything starts CUDA. Returns the value set."""
+    import os
+
+    rank = local_rank()
+    listed = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    chosen = listed[rank % len(listed)] if listed else str(rank)
+    os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+    return chosen
+
+
+class Done:
+    """A collective that finished when it was started: waiting does nothing."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+class Pending:
+    """An MPI collective in flight on ``buf`` (kept alive until then: MPI writes into it): :meth:`wait`
+    returns once it is done (or names the ranks that never reached it, past ``KILN_DIST_TIMEOUT``)."""
+
+    def __init__(self, comm: MpiCommunicator, request: Any, what: str, buf: Any) -> None:
+        self.comm, self.request, self.what, self.buf = comm, request, what, buf
+
+    def wait(self) -> None:
+        self.comm._wait(self.request, self.what)
 
 
 def _check_chunks(op: str, send: Any, recv: Any, world: int, whole: Any) -> None:
@@ -47,9 +89,18 @@ class LocalCommunicator:
     def all_reduce(self, buf: Any) -> None:
         """The sum over one rank is the buffer itself."""
 
+    def all_reduce_start(self, buf: Any) -> Done:
+        """The sum over one rank, done at once."""
+        return Done()
+
     def reduce_scatter(self, send: Any, recv: Any) -> None:
         _check_chunks("reduce_scatter", send, recv, 1, send)
         recv[...] = send.reshape(recv.shape)
+
+    def reduce_scatter_start(self, send: Any, recv: Any) -> Done:
+        """The reduce-scatter over one rank, done at once."""
+        self.reduce_scatter(send, recv)
+        return Done()
 
     def all_gather(self, send: Any, recv: Any) -> None:
         _check_chunks("all_gather", send, recv, 1, recv)
@@ -97,11 +148,28 @@ class MpiCommunicator:
 
         self._wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "an all-reduce")
 
+    def all_reduce_start(self, buf: Any) -> Pending:
+        """Start summing ``buf`` over the ranks, in place, and return at once: ``buf`` holds the sum
+        after the returned handle's ``wait()``, and must not be touched before it."""
+        from mpi4py import MPI
+
+        return Pending(self, self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), "an all-reduce", buf)
+
     def reduce_scatter(self, send: Any, recv: Any) -> None:
         from mpi4py import MPI
 
         _check_chunks("reduce_scatter", send, recv, self.world_size, send)
         self._wait(self.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), "a reduce-scatter")
+
+    def reduce_scatter_start(self, send: Any, recv: Any) -> Pending:
+        """Start the reduce-scatter of ``send`` into ``recv`` and return at once: ``recv`` holds this
+        rank's chunk of the sum after the returned handle's ``wait()``; neither buffer may be touched
+        before it."""
+        from mpi4py import MPI
+
+        _check_chunks("reduce_scatter", send, recv, self.world_size, send)
+        return Pending(self, self.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM), "a reduce-scatter",
+                       (send, recv))
 
     def all_gather(self, send: Any, recv: Any) -> None:
         _check_chunks("all_gather", send, recv, self.world_size, recv)
@@ -141,6 +209,8 @@ class NcclCommunicator:
     NumPy arrays (a step's loss) go through MPI."""
 
     name = "nccl"
+    #: the collective ops' kernels on the ``cuda`` backend hand it device buffers (kiln.dist._cuda)
+    device_buffers = True
 
     def __init__(self, mpi: MpiCommunicator | None = None) -> None:
         self.mpi = mpi or MpiCommunicator()
@@ -158,12 +228,14 @@ class NcclCommunicator:
     def nccl(self) -> Any:
         """The nccl4py communicator of this rank's GPU, made on first use."""
         if self._nccl is None:
+            from cuda.bindings import driver
             from cuda.core import Device
-            from mpi4py import MPI
             from nccl import core as nccl
 
-            local = self.mpi.comm.Split_type(MPI.COMM_TYPE_SHARED)
-            Device(local.Get_rank()).set_current()
+            driver.cuInit(0)
+            _, count = driver.cuDeviceGetCount()  # the GPUs CUDA_VISIBLE_DEVICES shows
+            # the node-local rank's GPU; with one GPU visible per rank (bind_gpu), that one
+            Device(local_rank(self.mpi.comm) % max(1, int(count))).set_current()
             uid = bytearray(bytes(nccl.get_unique_id() if self.rank == 0 else nccl.get_unique_id(empty=True)))
             self.mpi.broadcast(np.frombuffer(uid, np.uint8))
             self._nccl = nccl.Communicator.init(self.world_size, self.rank, nccl.UniqueId.from_bytes(uid))
@@ -178,11 +250,19 @@ class NcclCommunicator:
         self.nccl.allreduce(buf, buf, nccl.SUM)
 
     def reduce_scatter(self, send: Any, recv: Any) -> None:
+        if isinstance(send, np.ndarray):
+            self.mpi.reduce_scatter(send, recv)
+            return
         from nccl import core as nccl
 
+        _check_chunks("reduce_scatter", send, recv, self.world_size, send)
         self.nccl.reduce_scatter(send, recv, nccl.SUM)
 
     def all_gather(self, send: Any, recv: Any) -> None:
+        if isinstance(send, np.ndarray):
+            self.mpi.all_gather(send, recv)
+            return
+        _check_chunks("all_gather", send, recv, self.world_size, recv)
         self.nccl.allgather(send, recv)
 
     def broadcast(self, buf: Any, root: int = 0) -> None:

@@ -1,6 +1,12 @@
 """The collective ops of a data-parallel Program: steps of its ``grad_sync`` and ``optimizer``
 phases that update their inputs in place, so that ``kiln plan`` shows every collective.
 
+With ``overlap`` (``DataParallel(overlap=True)``), ``bucket_all_reduce_start`` runs in the backward
+as soon as a bucket's gradients are final and starts a non-blocking all-reduce; the matching
+``bucket_all_reduce_wait`` in ``grad_sync`` waits for it: the same sum, taken while the rest of the
+backward runs. Under ZeRO-1, ``bucket_reduce_scatter_start``/``_wait`` do the same for the
+reduce-scatter.
+
 A bucket op packs its tensors into one flat buffer, runs one collective on it and unpacks the
 result: one collective per bucket, whatever the number of tensors in it. ``owners`` gives each
 tensor's owning rank (ZeRO-1); the ranks' parts of a bucket are padded to equal chunks. The
@@ -16,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core import AttrSpec, InferContext, OpDef, get_registry, no_gradient
+from kiln.core import AttrSpec, InferContext, KilnError, OpDef, get_registry, no_gradient
 from kiln.core.runtime import Communicator
+from kiln.dist._communicators import Done
 
 __all__ = ["OPS"]
 
@@ -58,6 +65,60 @@ def bucket_all_reduce(*grads: np.ndarray, communicator: str, **_scalars: Any) ->
     _unpack(flat, grads)
 
 
+#: the collectives a ``*_start`` op started and its ``*_wait`` has not waited for: the all-reduces by
+#: (communicator, bucket), the handle, the buffer being summed and what it was when sent; the
+#: reduce-scatters by ("reduce_scatter", communicator, bucket), the handle, the receive buffer and
+#: the send buffer
+PENDING: dict[tuple[Any, ...], tuple[Any, np.ndarray, np.ndarray]] = {}
+
+
+def _started(key: tuple[Any, ...], op: str) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The collective in flight under ``key``, taken off :data:`PENDING`; an error naming the bucket
+    where its ``_start`` never ran."""
+    if key not in PENDING:
+        raise KilnError(f"{op}_wait of bucket {key[-1]} over {key[-2]!r}: no {op}_start of that bucket "
+                        "is in flight (the start runs in the backward, before the wait)")
+    return PENDING.pop(key)
+
+
+def bucket_all_reduce_start(*grads: np.ndarray, communicator: str, bucket: int, **_scalars: Any) -> None:
+    """Start the sum over the ranks of a bucket whose gradients are final (in the backward): the
+    collective runs while the rest of the backward does. A bucket still in flight from an earlier
+    backward (micro-batches) is waited for first, so every rank starts the same collectives."""
+    key = (communicator, bucket)
+    if key in PENDING:
+        handle, _, _ = PENDING.pop(key)
+        handle.wait()
+    comm = _communicator(communicator)
+    flat = np.empty(sum(g.size for g in grads), grads[0].dtype)
+    _pack(grads, flat)
+    sent = flat.copy()
+    start = getattr(comm, "all_reduce_start", None)
+    if start is None:  # a communicator without non-blocking collectives: sum now
+        comm.all_reduce(flat)
+        PENDING[key] = (Done(), flat, sent)
+        return
+    PENDING[key] = (start(flat), flat, sent)
+
+
+def bucket_all_reduce_wait(*grads: np.ndarray, communicator: str, bucket: int, **_scalars: Any) -> None:
+    """Wait for the bucket's sum and write it into the gradients. When a gradient changed after the
+    sum started on any rank (gradients accumulated over micro-batches, or scaled or clipped by a
+    parameter group's rule), every rank sums the gradients again, as they are now: one scalar
+    all-reduce says whether; the result is then what ``bucket_all_reduce`` gives."""
+    comm = _communicator(communicator)
+    handle, flat, sent = _started((communicator, bucket), "bucket_all_reduce")
+    handle.wait()
+    now = np.empty_like(sent)
+    _pack(grads, now)
+    changed = np.array([0.0 if np.array_equal(now, sent) else 1.0])
+    comm.all_reduce(changed)
+    if changed[0]:
+        comm.all_reduce(now)
+        flat = now
+    _unpack(flat, grads)
+
+
 def bucket_reduce_scatter(*grads: np.ndarray, communicator: str, owners: tuple[int, ...],
                           **_scalars: Any) -> None:
     """Sum each tensor over the ranks into its owner's copy (one reduce-scatter); the other ranks'
@@ -69,6 +130,53 @@ def bucket_reduce_scatter(*grads: np.ndarray, communicator: str, owners: tuple[i
         _pack(part, send[r * chunk:(r + 1) * chunk])
     recv = np.empty(chunk, grads[0].dtype)
     comm.reduce_scatter(send, recv)
+    _unpack(recv, parts[comm.rank])
+
+
+def _rs_buffers(grads: Sequence[np.ndarray], owners: Sequence[int],
+                world: int) -> tuple[list[list[np.ndarray]], int, np.ndarray]:
+    """Each rank's tensors, the chunk, and the send buffer of a bucket's reduce-scatter (each rank's
+    part packed at its chunk, the padding zero)."""
+    parts, chunk = _parts(grads, owners, world)
+    send = np.zeros(len(parts) * chunk, grads[0].dtype)
+    for r, part in enumerate(parts):
+        _pack(part, send[r * chunk:(r + 1) * chunk])
+    return parts, chunk, send
+
+
+def bucket_reduce_scatter_start(*grads: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
+                                **_scalars: Any) -> None:
+    """Start the reduce-scatter of a bucket whose gradients are final (in the backward, ZeRO-1 with
+    overlap): the collective runs while the rest of the backward does. A bucket still in flight from
+    an earlier backward (micro-batches) is waited for first."""
+    key = ("reduce_scatter", communicator, bucket)
+    if key in PENDING:
+        PENDING.pop(key)[0].wait()
+    comm = _communicator(communicator)
+    _, chunk, send = _rs_buffers(grads, owners, comm.world_size)
+    recv = np.empty(chunk, grads[0].dtype)
+    start = getattr(comm, "reduce_scatter_start", None)
+    if start is None:  # a communicator without non-blocking collectives: reduce now
+        comm.reduce_scatter(send, recv)
+        PENDING[key] = (Done(), recv, send)
+        return
+    PENDING[key] = (start(send, recv), recv, send)
+
+
+def bucket_reduce_scatter_wait(*grads: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
+                               **_scalars: Any) -> None:
+    """Wait for the bucket's reduce-scatter and write this rank's chunk into the gradients it owns.
+    When a gradient changed after the collective started on any rank (micro-batches, a parameter
+    group's rule), every rank reduce-scatters the gradients again, as they are now: the result is then
+    what ``bucket_reduce_scatter`` gives."""
+    comm = _communicator(communicator)
+    handle, recv, sent = _started(("reduce_scatter", communicator, bucket), "bucket_reduce_scatter")
+    handle.wait()
+    parts, _, now = _rs_buffers(grads, owners, comm.world_size)
+    changed = np.array([0.0 if np.array_equal(now, sent) else 1.0])
+    comm.all_reduce(changed)
+    if changed[0]:
+        comm.reduce_scatter(now, recv)
     _unpack(recv, parts[comm.rank])
 
 
@@ -86,10 +194,14 @@ def bucket_all_gather(*params: np.ndarray, communicator: str, owners: tuple[int,
             _unpack(recv[r * chunk:(r + 1) * chunk], part)
 
 
-def sharded_grad_norm(norm: np.ndarray, *grads: np.ndarray, communicator: str, **_scalars: Any) -> None:
-    """``norm`` = the L2 norm of the gradients of every rank's share (each rank passes its own)."""
+def sharded_grad_norm(norm: np.ndarray, *grads: np.ndarray, communicator: str, over: str | None = None,
+                      **_scalars: Any) -> None:
+    """``norm`` = the L2 norm of the gradients of every rank's share (each rank passes its own),
+    summed over ``communicator``'s ranks, then over ``over``'s (a grid's other axis) when given."""
     total = np.array([sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)])
     _communicator(communicator).all_reduce(total)
+    if over is not None:
+        _communicator(over).all_reduce(total)
     norm[...] = math.sqrt(total[0])
 
 
@@ -99,6 +211,7 @@ def _no_outputs(ctx: InferContext) -> list[Any]:
 
 _COMM = AttrSpec("communicator", "str")
 _OWNERS = AttrSpec("owners", "ints")
+_BUCKET = AttrSpec("bucket", "int")
 
 
 def _op(name: str, inputs: tuple[str, ...], kernel: Any, attrs: tuple[AttrSpec, ...], doc: str) -> OpDef:
@@ -109,10 +222,22 @@ def _op(name: str, inputs: tuple[str, ...], kernel: Any, attrs: tuple[AttrSpec, 
 OPS = [
     _op("bucket_all_reduce", ("*tensors",), bucket_all_reduce, (_COMM,),
         "In place: every tensor summed over the ranks (data parallelism's gradients)."),
+    _op("bucket_all_reduce_start", ("*tensors",), bucket_all_reduce_start, (_COMM, _BUCKET),
+        "Starts the sum of a bucket of final gradients over the ranks, in the backward (non-blocking)."),
+    _op("bucket_all_reduce_wait", ("*tensors",), bucket_all_reduce_wait, (_COMM, _BUCKET),
+        "In place: the bucket's sum started by bucket_all_reduce_start (summed again if a gradient "
+        "changed since)."),
     _op("bucket_reduce_scatter", ("*tensors",), bucket_reduce_scatter, (_COMM, _OWNERS),
         "In place: each tensor summed over the ranks into its owner's copy (ZeRO-1's gradients)."),
+    _op("bucket_reduce_scatter_start", ("*tensors",), bucket_reduce_scatter_start, (_COMM, _OWNERS, _BUCKET),
+        "Starts the reduce-scatter of a bucket of final gradients to their owners, in the backward "
+        "(ZeRO-1 with overlap; non-blocking)."),
+    _op("bucket_reduce_scatter_wait", ("*tensors",), bucket_reduce_scatter_wait, (_COMM, _OWNERS, _BUCKET),
+        "In place: the owner's sums of the reduce-scatter started by bucket_reduce_scatter_start "
+        "(reduce-scattered again if a gradient changed since)."),
     _op("bucket_all_gather", ("*tensors",), bucket_all_gather, (_COMM, _OWNERS),
         "In place: each tensor copied from its owner to every rank (ZeRO-1's parameters)."),
-    _op("sharded_grad_norm", ("norm", "*grads"), sharded_grad_norm, (_COMM,),
-        "In place: norm = the global L2 norm of the gradients each rank owns (ZeRO-1's clipping)."),
+    _op("sharded_grad_norm", ("norm", "*grads"), sharded_grad_norm, (_COMM, AttrSpec("over", "str", None)),
+        "In place: norm = the global L2 norm of the gradients each rank owns (ZeRO-1's clipping); "
+        "'over': a second communicator the squares are also summed over (ZeRO-1 on a grid)."),
 ]

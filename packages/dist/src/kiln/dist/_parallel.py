@@ -8,9 +8,9 @@ first, the order the backward produces them.
 
 ``zero=1`` (ZeRO-1) gives each trained parameter one owning rank (bucket by bucket, largest first,
 to the rank owning the fewest elements so far): the owner alone keeps its optimizer state and runs
-its update. ``grad_sync`` reduce-scatters each bucket's gradients to their owners and takes the
-global gradient norm over every rank's share; after the updates, each bucket's parameters are
-all-gathered from their owners.
+its update. ``grad_sync`` reduce-scatters each bucket's gradients to their owners (with ``overlap``,
+started in the backward and waited for there) and takes the global gradient norm over every rank's
+share; after the updates, each bucket's parameters are all-gathered from their owners.
 """
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ class DataParallel:
     ``train_step`` with the same global batch. ``comm``: the communicator's name in the
     ``communicators`` registry (``mpi``, ``nccl``, ``local``); ``zero``: 0, or 1 for ZeRO-1;
     ``bucket_bytes``: the gradient bytes (as float32) one collective carries at most, unless one
-    tensor alone is larger."""
+    tensor alone is larger; ``overlap``: start each bucket's all-reduce (ZeRO-1: reduce-scatter) in
+    the backward, as soon as its gradients are final (non-blocking), and wait for it in
+    ``grad_sync``."""
 
     comm: str = "mpi"
     zero: int = attrs.field(default=0, validator=_stage)
     bucket_bytes: int = attrs.field(default=25 * 2**20, validator=_positive)
+    overlap: bool = False
 
     @property
     def communicator(self) -> Communicator:
@@ -91,6 +94,10 @@ class DataParallel:
             return SyncPlan()
         buckets = self.buckets(trained)
         on = {"communicator": self.comm}
+        if self.overlap and not self.zero:
+            ops = [([k for k, _ in b], {**on, "bucket": i}) for i, b in enumerate(buckets)]
+            return SyncPlan(in_backward=[Op("bucket_all_reduce_start", keys, [], a) for keys, a in ops],
+                            grad_sync=[Op("bucket_all_reduce_wait", keys, [], a) for keys, a in ops])
         if not self.zero:
             return SyncPlan(grad_sync=[Op("bucket_all_reduce", [k for k, _ in b], [], on) for b in buckets])
         owned: list[str] = []
@@ -100,9 +107,14 @@ class DataParallel:
             owners = _balance([math.prod(s) for _, s in b], load)
             owned += [k for (k, _), r in zip(b, owners, strict=True) if r == rank]
             shares.append(([k for k, _ in b], {**on, "owners": tuple(owners)}))
-        return SyncPlan(grad_sync=[*(Op("bucket_reduce_scatter", keys, [], a) for keys, a in shares),
-                                   Op("sharded_grad_norm", [NORM, *owned], [], on)],
-                        owned=frozenset(owned), norm=(NORM,), outputs=(NORM,),
+        if self.overlap:  # each reduce-scatter started in the backward, waited for in grad_sync
+            ops = [(keys, {**a, "bucket": i}) for i, (keys, a) in enumerate(shares)]
+            in_backward = [Op("bucket_reduce_scatter_start", keys, [], a) for keys, a in ops]
+            scatter = [Op("bucket_reduce_scatter_wait", keys, [], a) for keys, a in ops]
+        else:
+            in_backward, scatter = [], [Op("bucket_reduce_scatter", keys, [], a) for keys, a in shares]
+        return SyncPlan(grad_sync=[*scatter, Op("sharded_grad_norm", [NORM, *owned], [], on)],
+                        in_backward=in_backward, owned=frozenset(owned), norm=(NORM,), outputs=(NORM,),
                         after_update=[Op("bucket_all_gather", keys, [], a) for keys, a in shares])
 
 

@@ -15,14 +15,25 @@ from kiln.dist._communicators import (
 )
 from kiln.dist._ops import OPS
 from kiln.dist._tensor import TP_OPS, tensor_parallel
+from kiln.dist._vocab import VOCAB_OPS
 
 hookimpl = pluggy.HookimplMarker("kiln")
 
 
 @hookimpl
 def kiln_register_ops(registry: Any) -> None:
-    for opdef in (*OPS, *TP_OPS):
+    for opdef in (*OPS, *TP_OPS, *VOCAB_OPS):
         registry.register_op(opdef)
+
+
+@hookimpl
+def kiln_register_kernels(registry: Any) -> None:
+    """The bucket collectives on the ``cuda`` backend (kiln-kernels-cuda): device buffers through a
+    communicator that takes them (``nccl``), host copies through another."""
+    from kiln.dist._cuda import CUDA_KERNELS
+
+    for op, fn in CUDA_KERNELS:
+        registry.register_kernel(op, "cuda", "*", fn)
 
 
 @hookimpl
@@ -30,8 +41,8 @@ def kiln_register_graph_passes(registry: Any) -> None:
     from kiln.core import GraphPass
 
     registry.register("tensor_parallel", GraphPass("tensor_parallel", tensor_parallel, stage="shard",
-                                                   doc="Megatron-LM tensor parallelism of the dense blocks: "
-                                                       "{'communicator': 'mpi'}"))
+                                                   doc="Megatron-LM tensor parallelism of the blocks and the "
+                                                       "vocabulary: {'communicator': 'mpi'}"))
 
 
 @hookimpl

@@ -1,0 +1,81 @@
+"""The ``nccl`` communicator on GPUs (``nox -s gpu`` runs these; they skip, saying why, elsewhere):
+an all-reduce of device buffers on one GPU and across every GPU of the machine (a rank per GPU), and
+data parallelism over ``nccl`` on the ``cuda`` backend equal to one process on one and on all GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kiln.dist import launch, nccl_available
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).parent
+ENV = {"KILN_NUM_THREADS": "1"}
+
+
+def gpus() -> int:
+    """The GPUs nvidia-smi lists (0 without it)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60, check=False)
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()) if done.returncode == 0 else 0
+
+
+def need(ranks: int) -> None:
+    """Skip, saying why, unless nccl4py, CuPy (the tests' device buffers) and ``ranks`` GPUs are here."""
+    if not nccl_available():
+        pytest.skip("nccl4py is not installed (pip install 'kiln-dist[nccl]' on a machine with GPUs)")
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("CuPy is not installed: the tests make their device buffers with it")
+    found = gpus()
+    if found < ranks:
+        pytest.skip(f"needs {ranks} CUDA GPU(s), found {found}")
+
+
+@pytest.mark.parametrize("ranks", ["one", "all"], ids=["1-gpu", "every-gpu"])
+def test_nccl_all_reduce_of_device_buffers(tmp_path: Path, ranks: str) -> None:
+    need(1 if ranks == "one" else 2)
+    n = 1 if ranks == "one" else gpus()
+    assert launch(n, [str(HERE / "_nccl.py"), str(tmp_path)], env=ENV) == 0
+    for r in range(n):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert got["world"] == n and got["device"] == r  # one GPU per rank, the rank's own
+        np.testing.assert_array_equal(got["summed"], np.arange(8) * sum(range(1, n + 1)))
+
+
+def _worker() -> Any:
+    spec = importlib.util.spec_from_file_location("kiln_dist_worker_gpu", HERE / "_worker.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-gpu", "2-gpus"])
+def test_data_parallel_over_nccl_on_the_cuda_backend_equals_one_process(tmp_path: Path, ranks: int) -> None:
+    need(ranks)
+    cuda = pytest.importorskip("kiln.cuda", reason="the cuda backend is kiln-kernels-cuda's")
+    if cuda.unavailable_reason() is not None:
+        pytest.skip(f"the cuda backend cannot run here: {cuda.unavailable_reason()}")
+    worker = _worker()
+    n = ranks  # the global batch of 8 shared by the ranks, one GPU each
+    model, stats = worker.train(None, backend="cuda")
+    assert launch(n, [str(HERE / "_worker.py"), str(tmp_path), "nccl", "0", "1", "cuda"], env=ENV) == 0
+    for r in range(n):
+        rank = np.load(tmp_path / f"rank{r}.npz")
+        np.testing.assert_allclose(rank["stats"], stats, rtol=1e-5)  # float32 sums in another order
+        for k, v in model.parameters().items():
+            assert np.linalg.norm(rank[f"param:{k}"] - v) <= 1e-4 * np.linalg.norm(v), k
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-rs"]))
