@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.core import PHASES
+from kiln.core import PHASES, Model
 from kiln.core import compile as compile_program
 from kiln.dsl import build_bundle
 from kiln.embed import EmbedError, ProgramHandle, compile, error_dict
@@ -62,7 +62,9 @@ def test_the_plan_is_the_programs(spec: dict[str, Any]) -> None:
     bundle = build_bundle("Qwen3Model", spec["config"])
     train, logits = (compile_program(bundle, bindings={"B": 2, "T": 8}, task=task, optimizer="adamw")
                      for task in ("train", "logits"))
-    assert plan["arena_bytes"] == max(train.arena_bytes, logits.arena_bytes) == handle.arena_bytes
+    seeded = Model.from_ir(bundle, optimizer="adamw").program(2, 8, "logits_grad")  # logits_backward's
+    assert plan["arena_bytes"] == max(train.arena_bytes, logits.arena_bytes, seeded.arena_bytes) \
+        == handle.arena_bytes
     assert plan["memory"]["peak"] == train.arena_bytes
     assert plan["persistent_bytes"] == train.persistent_bytes
     assert plan["tensors"] == {k: {"shape": list(t.shape), "dtype": t.dtype, "offset": t.offset,
@@ -156,3 +158,25 @@ def test_bad_tensors_and_buffers_name_their_culprit(spec: dict[str, Any]) -> Non
         handle.train_step(np.zeros((2, 8), np.int64), labels)
     internal = {"code": "internal", "message": "ValueError: boom", "culprit": ""}
     assert error_dict(ValueError("boom")) == internal
+
+
+def test_a_spec_without_an_optimizer_leaves_the_update_to_the_host(spec: dict[str, Any], batches: Any,
+                                                                   oracle: Callable[[], Any]) -> None:
+    """``"optimizer": null``: no state in the plan or the arena, updates refused, and the gradients of
+    loss + backward those of kiln.core's loss_and_grads (up to float32 rounding)."""
+    handle = compile(json.dumps({**spec, "optimizer": None}))
+    plan = handle.plan()
+    assert plan["optimizer"] is None and plan["memory"]["optimizer_state"] == 0
+    assert all(p["state"] == [] for p in plan["parameters"])
+    assert handle.arena_bytes < compile(spec).arena_bytes
+    ids, labels = batches(0)
+    for call in (lambda: handle.train_step(ids, labels), lambda: handle.run(["optimizer"])):
+        with pytest.raises(EmbedError, match="no optimizer") as info:
+            call()
+        assert info.value.kind == "model"
+    _, forward = handle.loss(ids, labels)
+    grads = handle.backward(forward)
+    _, expected = oracle().loss_and_grads(ids, labels)
+    assert set(grads) == set(expected)
+    for name, g in expected.items():  # the LM head's fused forward and backward sums in another order
+        np.testing.assert_allclose(grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)

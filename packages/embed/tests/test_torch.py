@@ -127,3 +127,30 @@ def test_the_docs_torch_example_runs() -> None:
     blocks = [b.split("```", 1)[0] for b in docs.split("```python\n")[1:]]
     block = next(b for b in blocks if "needs torch" in b.split("\n")[0])
     exec(builtins.compile(block, "docs/embedding.md", "exec"), {"__name__": "docs.embed"})
+
+
+def test_a_torch_loss_over_kilns_logits_backpropagates_into_kiln(module: Any) -> None:
+    """kiln's model as the first part of a torch graph: a loss of torch's over module.logits gives the
+    parameters the gradients autograd gives the torch model; the gradients accumulate as usual."""
+    mine = {n: p.detach().clone().requires_grad_() for n, p in module.kiln_parameters.items()}
+    ids, _ = _batch(3)
+    target = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(0))
+
+    def outer(logits: Any) -> Any:
+        return (torch.tanh(logits) * target).pow(2).sum()
+
+    logits = module.logits(ids)
+    assert logits.requires_grad
+    ref_logits = reference(mine, ids, ids)[1]
+    torch.testing.assert_close(logits.detach(), ref_logits.detach(), atol=1e-5, rtol=0)
+    outer(logits).backward()
+    outer(ref_logits).backward()
+    for name, p in module.kiln_parameters.items():
+        torch.testing.assert_close(p.grad, mine[name].grad, atol=1e-4, rtol=1e-5, msg=name)
+        assert p.grad.data_ptr() == module.gradient(name).data_ptr()  # kiln's arena, no copy
+    first = {n: p.grad.clone() for n, p in module.kiln_parameters.items()}
+    outer(module.logits(ids)).backward()
+    for name, p in module.kiln_parameters.items():
+        torch.testing.assert_close(p.grad, 2 * first[name], atol=1e-4, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        assert not module.logits(ids).requires_grad

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,6 +20,7 @@ CODES = ("ok", "init", "json", "argument", "handle", "tensor", "size", "model", 
 SPEC_KEYS = ("ir", "model", "config", "batch", "seq", "seed", "optimizer", "recompute", "dtype", "mode")
 MODEL_KEYS = ("seed", "optimizer", "recompute", "dtype", "mode")
 ALIGNMENT = 64  # the planner's offsets are multiples of 64 bytes
+T = TypeVar("T")
 
 
 class EmbedError(KilnError):
@@ -157,7 +159,8 @@ class ProgramHandle:
 
     ``model`` is the :class:`kiln.core.Model` that trains in that arena; ``program`` its training
     Program, whose tensors :meth:`get`, :meth:`set` and :meth:`view` reach by name; ``arena_bytes``
-    what :meth:`bind` needs, the larger peak of the training and the logits Program.
+    what :meth:`bind` needs, the largest peak of the training, the logits and the logits' backward
+    Program.
     """
 
     def __init__(self, bundle: Bundle | Module, batch: int, seq: int, options: Mapping[str, Any]) -> None:
@@ -165,19 +168,16 @@ class ProgramHandle:
         self._bundle, self._options = bundle, dict(options)
         self._arena = _Arena()
         self.model, self.program, self.arena_bytes = self._compile(self._arena, {})
-        self._executable = self._arena.compile(self.program, self._arena.memory, self.model.target.kernels)
         self._pending: int | None = None  # the loss() whose activations the arena holds
         self._forwards = 0
-        self._vocab = next((self.program.tensors[s.inputs[1]].shape[0] for s in self.program.steps
-                            if s.op.type == "embedding" and s.inputs[0] == "token_ids"), None)
 
     def _compile(self, arena: _Arena, extra: Mapping[str, Any]) -> tuple[Model, Program, int]:
-        """The model in ``arena``, its training Program, and the bytes of the arena: the larger peak of
-        the training and the logits Program."""
+        """The model in ``arena``, its training Program, and the bytes of the arena: the largest peak of
+        the training, the logits and the logits' backward Program."""
         try:
             model = Model.from_ir(self._bundle, backend=arena, **{**self._options, **extra})
-            logits, train = (model.program(self.batch, self.seq, task) for task in ("logits", "train"))
-            return model, train, max(int(logits.arena_bytes), int(train.arena_bytes))
+            progs = [model.program(self.batch, self.seq, task) for task in ("logits", "logits_grad", "train")]
+            return model, progs[-1], max(int(p.arena_bytes) for p in progs)
         except EmbedError:
             raise
         except KilnError as exc:
@@ -192,7 +192,8 @@ class ProgramHandle:
         return {
             "batch": self.batch, "seq": self.seq, "dtype": self.model.dtype,
             "arena_bytes": self.arena_bytes, "persistent_bytes": int(prog.persistent_bytes),
-            "optimizer": self.model.optimizer.name, "step": self.model.step,
+            "optimizer": None if self.model.optimizer is None else self.model.optimizer.name,
+            "step": self.model.step,
             "parameters": [{"name": p.name, "shape": list(p.shape), "trainable": bool(p.trainable),
                             "grad": p.grad or None, "state": list(p.state)} for p in prog.params],
             "tensors": {k: {"shape": list(t.shape), "dtype": t.dtype, "offset": int(t.offset),
@@ -217,7 +218,6 @@ class ProgramHandle:
         host[:head.nbytes] = head
         model.step = self.model.step
         self._arena, self.model, self.program = arena, model, program
-        self._executable = arena.compile(program, host, model.target.kernels)
 
     # -- tensors
 
@@ -239,18 +239,25 @@ class ProgramHandle:
         assert self._arena.memory is not None
         return NumpyBackend.view(self._arena.memory, t.offset, t.shape, t.dtype)
 
+    def _train(self) -> Model:
+        """The model, its training Program for the handle's shape the current one (what
+        :meth:`kiln.core.Model.read`, ``write`` and ``run`` reach)."""
+        self.model.program(self.batch, self.seq)
+        return self.model
+
     def get(self, name: str) -> np.ndarray:
         """A copy of tensor ``name``."""
-        return self.view(name).copy()
+        self.tensor(name)
+        return self._train().read(name)
 
     def set(self, name: str, value: Any) -> None:
         """Write ``value`` (same number of elements, cast to the tensor's dtype) into tensor ``name``."""
-        view = self.view(name)
+        t = self.tensor(name)
         arr = np.asarray(value)
-        if arr.size != view.size:
-            raise EmbedError("size", f"tensor {name!r} is {list(view.shape)} ({view.size} values); the value "
-                             f"has {arr.size}", name)
-        np.copyto(view, arr.reshape(view.shape), casting="unsafe")
+        if arr.size != math.prod(t.shape):
+            raise EmbedError("size", f"tensor {name!r} is {list(t.shape)} ({math.prod(t.shape)} values); the "
+                             f"value has {arr.size}", name)
+        self._train().write(name, arr.reshape(t.shape))
 
     # -- running
 
@@ -262,37 +269,42 @@ class ProgramHandle:
             if arr.shape != shape or not np.issubdtype(arr.dtype, np.integer):
                 raise EmbedError("size", f"{name} must be integers shaped {list(shape)}, found {arr.dtype} "
                                  f"{list(arr.shape)}", name)
-            valid = (arr >= 0) if name == "input_ids" else (arr >= 0) | (arr == self.model.ignore_index)
-            if self._vocab is not None:
-                valid &= arr < self._vocab
-            if not valid.all():
-                bad = tuple(int(i) for i in np.argwhere(~valid)[0])
-                ignored = "" if name == "input_ids" else \
-                    f" and not the ignored label {self.model.ignore_index}"
-                raise EmbedError("argument", f"{name}{list(bad)} is {int(arr[bad])}, outside the vocabulary "
-                                 f"[0, {self._vocab}){ignored}", name)
             out.append(arr)
         return out[0], out[1]
+
+    @staticmethod
+    def _ids(call: Callable[[], T]) -> T:
+        """``call()``, the model's refusal of a batch (an id outside the vocabulary) as an argument error,
+        any other as a model error."""
+        try:
+            return call()
+        except EmbedError:
+            raise
+        except KilnError as exc:
+            culprit = getattr(exc, "tensor", None)
+            if culprit in ("input_ids", "labels"):
+                raise EmbedError("argument", exc.message, culprit) from None
+            raise _model_error(exc, "model") from None
 
     def train_step(self, input_ids: Any, labels: Any) -> dict[str, float]:
         """One training step (forward, backward, grad_sync, optimizer) on a batch of the handle's shape,
         as :meth:`kiln.core.Model.train_step`: returns loss, grad_norm, lr, step and tokens."""
         ids, labels = self._batch(input_ids, labels)
         self._pending = None
-        return self.model.train_step({"input_ids": ids, "labels": labels})
+        return self._ids(lambda: self.model.train_step({"input_ids": ids, "labels": labels}))
 
     def logits(self, input_ids: Any) -> np.ndarray:
         """Logits ``[batch, seq, vocab]`` in eval mode (a copy), as :meth:`kiln.core.Model.logits`."""
         ids, _ = self._batch(input_ids, np.zeros((self.batch, self.seq), np.int32))
         self._pending = None
-        return self.model.logits(ids)
+        return self._ids(lambda: self.model.logits(ids))
 
     def loss(self, input_ids: Any, labels: Any) -> tuple[float, int]:
         """The forward of the training Program (dropout on): the mean loss, and the number of this
         forward, which :meth:`backward` checks. The activations the backward reads stay in the arena
         until the next run."""
         ids, labels = self._batch(input_ids, labels)
-        loss = self.model.loss(ids, labels, training=True)
+        loss = self._ids(lambda: self.model.loss(ids, labels, training=True))
         self._forwards += 1
         self._pending = self._forwards
         return loss, self._forwards
@@ -306,9 +318,19 @@ class ProgramHandle:
             raise EmbedError("argument", f"forward {forward} cannot be differentiated: the arena holds "
                              f"the activations of the last run only (forward {self._pending})", "backward")
         self._pending = None
-        self.view("d_loss")[...] *= scale
-        self._executable.run(("backward",), hyper={"step": self.model.step + 1,
-                                                    "optimizer": self.model.optimizer})
+        model = self._train()
+        model.write("d_loss", model.read("d_loss") * scale)
+        model.run(("backward",))
+        return {p.name: self.view(p.grad) for p in self.program.params if p.grad}
+
+    def logits_backward(self, input_ids: Any, d_logits: Any) -> dict[str, np.ndarray]:
+        """The backward seeded with a gradient ``d_logits`` ``[batch, seq, vocab]`` of the logits, as
+        :meth:`kiln.core.Model.backward_from_logits` (its forward runs again, dropout on): per trained
+        parameter, a view of its gradient in the arena (no copy)."""
+        ids, _ = self._batch(input_ids, np.zeros((self.batch, self.seq), np.int32))
+        self._pending = None
+        g = np.asarray(d_logits)
+        self._ids(lambda: self.model.backward_from_logits(ids, g))
         return {p.name: self.view(p.grad) for p in self.program.params if p.grad}
 
     def run(self, phases: Iterable[str]) -> dict[str, float]:
@@ -321,10 +343,8 @@ class ProgramHandle:
             if phase not in PHASES:
                 raise EmbedError("argument", f"unknown phase {phase!r}; expected {', '.join(PHASES)}",
                                  str(phase))
-        update, self._pending = "optimizer" in phases, None
-        stats = self._executable.run(phases, hyper={"step": self.model.step + 1,
-                                                    "optimizer": self.model.optimizer})
-        if not update:
-            return {}
-        self.model.step += 1
-        return stats
+        self._pending = None
+        try:
+            return self._train().run(phases)
+        except KilnError as exc:  # an update of a model without an optimizer
+            raise _model_error(exc, "run") from None

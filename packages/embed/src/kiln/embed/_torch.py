@@ -37,12 +37,25 @@ class _KilnLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         module: KilnModule = ctx.module
-        grads = [module.gradient(name) for name in module.kiln_parameters]
-        for p, g in zip(module.kiln_parameters.values(), grads, strict=True):
-            if p.grad is not None and p.grad.data_ptr() == g.data_ptr():
-                p.grad = p.grad.clone()  # accumulating: kiln's backward is about to overwrite that memory
+        grads = module._writable_gradients()
         module.handle.backward(ctx.forward_id, float(grad))
         return (None, None, None, *grads)
+
+
+class _KilnLogits(torch.autograd.Function):
+    """kiln's logits; their backward is kiln's backward seeded with the logits' gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, module: KilnModule, input_ids: Any, *params: torch.Tensor) -> torch.Tensor:
+        ctx.module, ctx.ids = module, np.array(_host(input_ids))
+        return torch.from_numpy(module.handle.logits(ctx.ids))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        module: KilnModule = ctx.module
+        grads = module._writable_gradients()
+        module.handle.logits_backward(ctx.ids, grad.detach().numpy())
+        return (None, None, *grads)
 
 
 class KilnModule(torch.nn.Module):
@@ -76,13 +89,26 @@ class KilnModule(torch.nn.Module):
         """Parameter ``name``'s gradient slot in the arena (what the last backward wrote)."""
         return self.tensor(self._grads[name])
 
+    def _writable_gradients(self) -> list[torch.Tensor]:
+        """The gradient slots a backward is about to write, a ``.grad`` that is one of them copied out
+        first (autograd accumulates into it)."""
+        grads = [self.gradient(name) for name in self.kiln_parameters]
+        for p, g in zip(self.kiln_parameters.values(), grads, strict=True):
+            if p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+        return grads
+
     def forward(self, input_ids: Any, labels: Any) -> torch.Tensor:
         out: torch.Tensor = _KilnLoss.apply(self, input_ids, labels, *self.kiln_parameters.values())
         return out
 
     def logits(self, input_ids: Any) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]`` in eval mode, without gradient."""
-        return torch.from_numpy(self.handle.logits(_host(input_ids)))
+        """Logits ``[batch, seq, vocab]`` in eval mode. Differentiable: a torch loss over them
+        backpropagates into the parameters through kiln's backward seeded with their gradient
+        (:meth:`kiln.core.Model.backward_from_logits`, whose forward runs again in training mode: the
+        same logits where the model has no dropout)."""
+        out: torch.Tensor = _KilnLogits.apply(self, input_ids, *self.kiln_parameters.values())
+        return out
 
     def memory_report(self) -> dict[str, Any]:
         """The planned bytes of the training Program by kind: ``saved_activations`` is what the backward
