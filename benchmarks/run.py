@@ -1,20 +1,22 @@
 """kiln's NumPy backend against HF transformers: one full training step, side by side.
 
-    python benchmarks/run.py [--quick] [--configs tiny,small] [--recompute tiny] [--json results.json]
+    python benchmarks/run.py [--quick] [--configs tiny,small] [--recompute tiny,small] [--json r.json]
 
 (``nox -s bench`` installs torch, transformers and the kiln packages and runs this.) For each config
-it starts one process per side (``sides.py``), warms both up, then times training steps
-interleaved, kiln then transformers, round after round. It prints the median kiln/transformers
-step-time ratio over the rounds, each side's median step time, its achieved model GFLOP/s as a
-fraction of the machine's float32 matmul rate (the best of a large NumPy and a large torch matmul,
-each measured in a fresh process before and after the timed rounds), and each process's peak
-resident memory. Figures are ratios measured side by side; an absolute time alone says nothing
-about another machine. Other work on the machine skews both sides (and their ratio): the share of
-the machine's CPU time that other processes used during the timed rounds is printed, so that a
-disturbed run shows.
+it starts one process per side (``sides.py``): kiln with kiln-kernels-cpu's native kernels, kiln
+with its NumPy kernels only (``KILN_CPU_KERNELS=0``), transformers eager and transformers through
+``torch.compile`` (inductor); warms them up (the compiled side compiles then), then times training
+steps interleaved, one step of each side per round. It prints each side's step time as a ratio to
+transformers eager's and to torch.compile's (medians of per-round ratios), its achieved model
+GFLOP/s as a fraction of the sgemm floor (the machine's float32 matmul rate: the best of a large
+NumPy and a large torch matmul, each measured in a fresh process before and after the timed rounds),
+and each process's peak resident memory. Figures are ratios measured side by side; an absolute time
+alone says nothing about another machine. Other work on the machine skews every side (and their
+ratios): the share of the machine's CPU time that other processes used during the timed rounds is
+printed, so that a disturbed run shows.
 
-Then, on the ``--recompute`` config (tiny by default; ``--recompute ''`` skips it), it runs kiln
-without recompute, with ``recompute="auto"`` (its default budget, half the activation peak) and
+Then, on each ``--recompute`` config (``--recompute ''`` skips it), it runs kiln (native kernels)
+without recompute, with ``recompute="auto"`` (its default budget, half the saved activations) and
 with ``recompute="block"``, interleaved in the same way, and prints each mode's step-time overhead
 over no recompute (median of per-round ratios) with its planned saved activations and activation
 peak (saved + transient) as a share of no recompute's.
@@ -36,9 +38,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from sides import CONFIGS, MATMUL_N, training_flops
 
-SIDES = ("kiln", "hf")
-NAMES = {"kiln": "kiln (numpy)", "hf": "transformers (torch, sdpa)"}
+SIDES = ("kiln", "kiln-ref", "hf", "compile")
+NAMES = {"kiln": "kiln (native kernels)", "kiln-ref": "kiln (NumPy kernels)", "hf": "transformers eager",
+         "compile": "torch.compile (inductor)"}
 LIBRARIES = {"kiln": "numpy", "hf": "torch"}
+#: step-time targets of kiln (native kernels) as a ratio to these sides (issue 22's goals)
+RATIO_TARGET = {"hf": 0.5, "compile": 0.8}
 #: (warm-up steps, timed rounds) per config, and with --quick
 ROUNDS = {"tiny": (2, 9), "small": (2, 7)}
 QUICK_ROUNDS = {"tiny": (1, 3), "small": (1, 3)}
@@ -131,6 +136,10 @@ def _timed(sides: dict[str, Side], rounds: int) -> tuple[dict[str, list[float]],
     return times, ((after[0] - before[0]) - (after[2] - before[2])) / max(after[1] - before[1], 1)
 
 
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
 def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     sides = {s: Side(s, config) for s in SIDES}
     try:
@@ -151,14 +160,15 @@ def bench(config: str, warmup: int, rounds: int) -> dict[str, Any]:
         "config": config, "shape": CONFIGS[config], "rounds": rounds, "warmup": warmup,
         "foreign_cpu": foreign,
         "model_gflop_per_step": flops / 1e9, "matmul_gflops": best, "machine_gflops": peak_rate,
-        "ratio": statistics.median(k / h for k, h in zip(times["kiln"], times["hf"], strict=True)),
-        "info": info, "sides": {},
+        "ratio": _ratio(times, "kiln", "hf"), "info": info, "sides": {},
     }
     for s in SIDES:
         median = statistics.median(times[s])
         result["sides"][s] = {
             "median_seconds": median, "seconds": times[s], "gflops": flops / median / 1e9,
             "fraction_of_machine": flops / median / 1e9 / peak_rate, **memory[s],
+            "vs_hf": _ratio(times, s, "hf"), "vs_compile": _ratio(times, s, "compile"),
+            "vs_kiln_ref": _ratio(times, s, "kiln-ref"),
         }
     return result
 
@@ -182,8 +192,7 @@ def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     for s in RECOMPUTE:
         modes[s] = {
             "median_seconds": statistics.median(times[s]), "seconds": times[s],
-            "overhead": statistics.median(t / n for t, n in zip(times[s], times["kiln:none"],
-                                                                strict=True)) - 1,
+            "overhead": _ratio(times, s, "kiln:none") - 1,
             "saved_share": planned[s]["saved_activations"] / base["saved_activations"],
             "activation_share": activations(planned[s]) / activations(base), "planned": planned[s],
         }
@@ -217,6 +226,7 @@ def report(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
                              for b in info[s]["blas"])
             versions = ", ".join(f"{k} {v}" for k, v in info[s].items() if isinstance(v, str))
             lines.append(f"{NAMES[s]}: {versions}; threadpools: {libs}")
+        lines.append(f"kiln's native kernels: {info['kiln'].get('native kernels', 'unknown')}")
         if info["hf"].get("torch_blas"):
             lines.append("torch build: " + "; ".join(info["hf"]["torch_blas"]))
     for r in results:
@@ -231,14 +241,27 @@ def report(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
             f"{r['matmul_gflops']['numpy']:.1f} GFLOP/s, torch {r['matmul_gflops']['torch']:.1f} GFLOP/s; "
             f"{r['warmup']} warm-up + {r['rounds']} interleaved rounds; other processes used "
             f"{r['foreign_cpu']:.0%} of the CPU time meanwhile",
-            f"   kiln / transformers step time: {r['ratio']:.2f} (median of per-round ratios)",
+            "   step time as a ratio to transformers eager / to torch.compile (medians of per-round ratios); "
+            "share of the sgemm floor; peak RSS",
         ]
+        hf_rss = r["sides"]["hf"]["peak_rss"]
         for s in SIDES:
             d = r["sides"][s]
+            above = (d["peak_rss"] - d["import_rss"]) / mib
             lines.append(
-                f"   {NAMES[s]:<27} median {d['median_seconds']:6.3f} s  {d['gflops']:6.1f} GFLOP/s = "
-                f"{d['fraction_of_machine']:5.1%} of matmul peak  peak RSS {d['peak_rss'] / mib:7.0f} MiB "
-                f"({(d['peak_rss'] - d['import_rss']) / mib:.0f} MiB above the imports)")
+                f"   {NAMES[s]:<25} {d['vs_hf']:5.2f} / {d['vs_compile']:5.2f}  "
+                f"(median {d['median_seconds']:6.3f} s)  {d['fraction_of_machine']:5.1%} of the floor  "
+                f"peak RSS {d['peak_rss'] / mib:6.0f} MiB = {d['peak_rss'] / hf_rss:4.2f}x eager's "
+                f"({above:.0f} MiB above the imports)")
+        k, sides = r["sides"]["kiln"], r["sides"]
+        lines.append(f"   native / NumPy kernels: {k['vs_kiln_ref']:.2f}; targets: <= {RATIO_TARGET['hf']} "
+                     f"of eager, <= {RATIO_TARGET['compile']} of torch.compile, RSS <= 0.5x eager's")
+        medians = {s: sides[s]["median_seconds"] for s in SIDES}
+        # far from the medians of per-round ratios when the rounds disagree (a busy machine)
+        lines.append(f"   ratios of the median step times: kiln / eager "
+                     f"{medians['kiln'] / medians['hf']:.2f}, kiln / torch.compile "
+                     f"{medians['kiln'] / medians['compile']:.2f}, native / NumPy kernels "
+                     f"{medians['kiln'] / medians['kiln-ref']:.2f}")
     return "\n".join(lines)
 
 
@@ -248,8 +271,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer warm-up steps and rounds")
     parser.add_argument("--configs", default="tiny,small", help="comma-separated: " + ", ".join(CONFIGS))
     parser.add_argument("--rounds", type=int, help="timed rounds per config (default: per config)")
-    parser.add_argument("--recompute", default="tiny",
-                        help="config for the recompute modes' overhead ('' to skip)")
+    parser.add_argument("--recompute", default="tiny,small",
+                        help="configs for the recompute modes' overhead, comma-separated ('' to skip)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     results = []
@@ -257,15 +280,15 @@ def main() -> None:
         warmup, rounds = (QUICK_ROUNDS if args.quick else ROUNDS)[config]
         results.append(bench(config, warmup, args.rounds or rounds))
         print(f"{config}: done", file=sys.stderr, flush=True)
-    recompute = None
-    if args.recompute:
-        warmup, rounds = (QUICK_ROUNDS if args.quick else RECOMPUTE_ROUNDS)[args.recompute]
-        recompute = bench_recompute(args.recompute, warmup, args.rounds or rounds)
-        print(f"recompute on {args.recompute}: done", file=sys.stderr, flush=True)
+    recompute = []
+    for config in filter(None, args.recompute.split(",")):
+        warmup, rounds = (QUICK_ROUNDS if args.quick else RECOMPUTE_ROUNDS)[config]
+        recompute.append(bench_recompute(config, warmup, args.rounds or rounds))
+        print(f"recompute on {config}: done", file=sys.stderr, flush=True)
     where = machine()
     print(report(results, where))
-    if recompute is not None:
-        print("\n".join(report_recompute(recompute)))
+    for r in recompute:
+        print("\n".join(report_recompute(r)))
     if args.json:
         args.json.write_text(json.dumps({"machine": where, "results": results, "recompute": recompute},
                                         indent=1) + "\n")

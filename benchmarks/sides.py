@@ -1,8 +1,11 @@
 """One side of the benchmark in its own process: kiln's NumPy backend or HF transformers.
 
-``python benchmarks/sides.py kiln|hf CONFIG`` builds that side's model and batch, then answers one
-JSON line per command read from stdin (``kiln:block``, ``kiln:auto`` and ``kiln:dsl`` build kiln's
-model with that recompute mode, ``auto`` at its default budget):
+``python benchmarks/sides.py SIDE CONFIG`` builds that side's model and batch, then answers one
+JSON line per command read from stdin. Sides: ``kiln`` (the NumPy backend with kiln-kernels-cpu's
+native kernels where installed), ``kiln-ref`` (the NumPy backend's NumPy kernels only:
+``KILN_CPU_KERNELS=0``), ``hf`` (transformers eager) and ``compile`` (the same model through
+``torch.compile``, inductor on the CPU); ``kiln:block``, ``kiln:auto`` and ``kiln:dsl`` build kiln's
+model with that recompute mode, ``auto`` at its default budget (half the saved activations):
 
 * ``step``: one full training step (forward, backward, AdamW), ``{"seconds": ...}``;
 * ``memory``: ``{"peak_rss": ..., "import_rss": ...}`` in bytes (the process's high-water mark, and
@@ -42,6 +45,7 @@ MAX_GRAD_NORM = 1.0  # both sides clip by global norm, as kiln's AdamW does by d
 MATMUL_N = 2048
 IMPORTS = {"kiln": ("numpy", "kiln.core", "kiln.dsl"),
            "hf": ("numpy", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3")}
+IMPORTS["kiln-ref"], IMPORTS["compile"] = IMPORTS["kiln"], IMPORTS["hf"]
 
 
 def training_flops(c: dict[str, int]) -> float:
@@ -118,7 +122,14 @@ def kiln_side(c: dict[str, int], recompute: str = "none") -> tuple[Callable[[], 
     ids = _batch(c)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
-    info = {"numpy": np.__version__, "kiln-core": kiln.core.__version__, "blas": _blas()}
+    try:
+        import kiln.cpu
+
+        native = kiln.cpu.unavailable_reason() or f"on (kiln-kernels-cpu {kiln.cpu.__version__})"
+    except ImportError:
+        native = "off (kiln-kernels-cpu is not installed)"
+    info = {"numpy": np.__version__, "kiln-core": kiln.core.__version__, "native kernels": native,
+            "blas": _blas()}
 
     def step() -> None:
         model.train_step(batch)
@@ -132,7 +143,7 @@ def kiln_side(c: dict[str, int], recompute: str = "none") -> tuple[Callable[[], 
 # --- transformers ----------------------------------------------------------------------------------
 
 
-def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], dict[str, Any], None]:
+def hf_side(c: dict[str, int], compiled: bool = False) -> tuple[Callable[[], None], dict[str, Any], None]:
     import torch
     import transformers
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -149,10 +160,11 @@ def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], dict[str, Any], None
     assert model.config._attn_implementation == "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     ids = torch.from_numpy(_batch(c)[:, :-1].astype("int64"))
+    forward = torch.compile(model) if compiled else model  # inductor; compiles in the first (warm-up) step
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss = forward(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
@@ -160,7 +172,8 @@ def hf_side(c: dict[str, int]) -> tuple[Callable[[], None], dict[str, Any], None
     build = torch.__config__.show()
     wanted = re.findall(r"BLAS_INFO=\w+|Math Kernel Library Version [\w.]+|CPU capability usage: \w+", build)
     info = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(), "blas": _blas(), "torch_blas": wanted}
+            "threads": torch.get_num_threads(), "blas": _blas(), "torch_blas": wanted,
+            "mode": "torch.compile (inductor)" if compiled else "eager"}
     return step, info, None
 
 
@@ -186,13 +199,15 @@ def main(side: str, config: str) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     library, _, recompute = side.partition(":")
+    if library == "kiln-ref":  # before kiln loads its plugins
+        os.environ["KILN_CPU_KERNELS"] = "0"
     for name in IMPORTS[library]:  # imported first, so that import_rss is the libraries' own footprint
         importlib.import_module(name)
     import_rss = _rss()
-    if library == "kiln":
+    if library in ("kiln", "kiln-ref"):
         step, info, planned = kiln_side(CONFIGS[config], recompute or "none")
     else:
-        step, info, planned = hf_side(CONFIGS[config])
+        step, info, planned = hf_side(CONFIGS[config], compiled=library == "compile")
 
     def reply(value: dict[str, Any]) -> None:
         answers.write(json.dumps(value) + "\n")
