@@ -17,8 +17,10 @@ BUILD_REQUIRES = sorted({r for data in PYPROJECTS.values() for r in data["build-
 FOLDER_OF = {project["name"]: folder for folder, project in PACKAGES.items()}
 FIXTURE_PLUGIN = "tests/plugins/kiln_fixture_plugin"
 #: scipy: the exact recompute solver the planner is proven against; pyarrow, tensorboardX and
-#: tensorboard: kiln-hf's optional Parquet and TensorBoard paths (tensorboard reads the event files back)
-TEST_TOOLS = ("pytest", "hypothesis", "import-linter", "scipy", "pyarrow", "tensorboardX", "tensorboard")
+#: tensorboard: kiln-hf's optional Parquet and TensorBoard paths (tensorboard reads the event files back);
+#: ml-dtypes: kiln-core's bf16 extra (the bf16 precision recipe's tests, kiln-core alone included)
+TEST_TOOLS = ("pytest", "hypothesis", "import-linter", "scipy", "pyarrow", "tensorboardX", "tensorboard",
+              "ml-dtypes")
 
 
 def _with_kiln_dependencies(folder: str) -> list[str]:
@@ -76,7 +78,8 @@ def parity(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=True, venv_backend="venv")
 def bench(session: nox.Session) -> None:
-    """One training step of kiln's NumPy backend against transformers, interleaved (benchmarks/run.py).
+    """One training step of kiln's NumPy backend (with kiln-kernels-cpu's native kernels, and without)
+    against transformers eager and torch.compile, interleaved (benchmarks/run.py).
 
     Arguments go to run.py (`nox -s bench -- --quick`). pip for the CPU build of torch, as in `parity`.
     """
@@ -105,6 +108,9 @@ def gpu(session: nox.Session) -> None:
     """The GPU tests (`-m gpu`): kiln-kernels-cuda's kernels against the NumPy reference on the device and
     training on `cuda` against `numpy`; skipped with the reason where there is no GPU."""
     _install_editable(session, *TEST_TOOLS)
+    session.install("nvmath-python[cu13]>=1.0", "ml-dtypes")  # kiln-kernels-cuda's cuBLASLt path, bf16 cases
+    # kiln-dist's nccl tests: nccl4py (the `nccl` extra) and CuPy for CUDA 13, their device buffers
+    session.install("--no-build-isolation", "-e", "packages/dist[nccl]", "cupy-cuda13x>=14")
     session.run("pytest", "-m", "gpu", "-rs", *session.posargs)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kiln.core import KilnError, Model, PluginSession, compile, get_registry, op_registry
+from kiln.core.plugins import hookimpl
 from kiln.cuda import EmulatedCuda, EmulatedDevice, _device
 from kiln.cuda._backend import UnavailableBackend
 from kiln.cuda._ops import KERNELS
@@ -40,6 +41,29 @@ def test_without_a_gpu_the_backend_says_why(bundle) -> None:
     assert isinstance(backend, UnavailableBackend)
     with pytest.raises(KilnError, match=r"backend 'cuda' is unavailable: .*(libcuda\.so\.1|no GPU)"):
         Model.from_ir(bundle, backend="cuda")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_an_unavailable_backend_says_why_for_any_recipe(bundle, precision: str) -> None:
+    """Asked for the bf16 recipe (or any), the stand-in names the reason it cannot run at all."""
+    reason = "libcuda.so.1 does not load (test)"
+
+    class Plugin:
+        @hookimpl
+        def kiln_register_backends(self, registry: object) -> None:
+            registry.register("cuda", UnavailableBackend(reason))  # type: ignore[attr-defined]
+
+    session = PluginSession(autoload=False)
+    session.register(Plugin(), "unavailable-cuda")
+    with session.activate():
+        backend = get_registry("backends")["cuda"]
+        with pytest.raises(KilnError, match=r"backend 'cuda' is unavailable: libcuda\.so\.1 does not load"):
+            _ = backend.precisions
+        for build in (lambda: compile(bundle, bindings={"B": 2, "T": 8}, backend="cuda", precision=precision),
+                      lambda: Model.from_ir(bundle, seed=0, backend="cuda", precision=precision)):
+            with pytest.raises(KilnError, match=r"backend 'cuda' is unavailable: libcuda\.so\.1") as info:
+                build()
+            assert "does not run" not in str(info.value)
 
 
 def test_detection_never_calls_the_driver_without_its_library(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,3 +109,54 @@ def test_qwen3_training_on_emulated_cuda_equals_numpy(bundle, cache: Path, host_
         want, have = models[0].parameters(), models[1].parameters()
         assert max(float(np.abs(want[k] - have[k]).max()) for k in want) < 1e-5
         assert plugin.device.launches > 0
+
+
+def test_qwen3_moe_training_on_emulated_cuda_equals_numpy(cache: Path) -> None:
+    """Routing (softmax, top-k), the expert permutation and the grouped GEMMs run their CUDA kernels; the
+    load statistics of the auxiliary loss run on the host."""
+    dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3-MoE model comes from kiln-dsl")
+    from kiln.dsl.stdlib.models import Qwen3MoEModel
+
+    bundle = dsl.build_bundle(Qwen3MoEModel, {**CONFIG, "moe_d_ff": 16, "num_experts": 4,
+                                              "num_experts_per_tok": 2})
+    batch = {"input_ids": np.arange(16).reshape(2, 8) % 64, "labels": np.arange(1, 17).reshape(2, 8) % 64}
+    with PluginSession(autoload=False).activate() as session:
+        session.register(EmulatedCuda(EmulatedDevice(cache=cache / "emulated")), "cuda-emulated")
+        program = compile(bundle, bindings={"B": 2, "T": 8}, backend="cuda")
+        on_device = {s.op.type for s in program.steps if s.how != "alias" and s.kernel}
+        assert {"moe_topk", "moe_permute", "moe_grouped_gemm_gate_up", "moe_grouped_gemm_dw", "moe_unpermute",
+                "moe_unpermute_dw", "moe_permute_backward"} <= on_device
+        models = [Model.from_ir(bundle, seed=0, backend=b) for b in ("numpy", "cuda")]
+        for _ in range(2):
+            ref, got = (m.train_step(batch) for m in models)
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-6)
+        want, have = models[0].parameters(), models[1].parameters()
+        assert max(float(np.abs(want[k] - have[k]).max()) for k in want) < 1e-5
+
+
+def test_dropout_on_the_device_draws_the_numpy_backends_masks() -> None:
+    """Dropout's kernel with the NumPy backend's counter offsets per layer and training step: three steps of
+    a two-layer model with hidden dropout train as on ``numpy`` (a mask off by one counter, layer or step
+    would move the loss by far more than 1e-5), every dropout step on the CUDA kernel."""
+    dsl = pytest.importorskip("kiln.dsl", reason="the model comes from kiln-dsl")
+    from kiln.dsl.stdlib.models import HyperConnectionModel
+
+    cfg = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2,
+           "head_size": 8, "d_ff": 64, "max_seq": 16, "hidden_dropout": 0.3, "dropout_seed": 5,
+           "n_streams": 2}
+    bundle = dsl.build_bundle(HyperConnectionModel, cfg)
+    plain = dsl.build_bundle(HyperConnectionModel, {**cfg, "hidden_dropout": 0.0})
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, 64, (2, 8)), "labels": rng.integers(0, 64, (2, 8))}
+    with PluginSession(autoload=False).activate() as session:
+        session.register(EmulatedCuda(), "cuda-emulated")
+        ref, got = (Model.from_ir(bundle, seed=0, backend=b) for b in ("numpy", "cuda"))
+        steps = [s for s in got.program(2, 8).steps if s.op.type == "dropout"]
+        assert steps and all(s.kernel == "dropout@cuda:float32" for s in steps)
+        undropped = Model.from_ir(plain, seed=0, backend="cuda").train_step(batch)["loss"]
+        losses = []
+        for _ in range(3):
+            want, have = ref.train_step(batch)["loss"], got.train_step(batch)["loss"]
+            assert have == pytest.approx(want, abs=1e-5)
+            losses.append(have)
+        assert abs(losses[0] - undropped) > 1e-3  # the dropout is live

@@ -30,7 +30,7 @@ def test_every_kernel_compiles_and_is_listed(capsys: pytest.CaptureFixture[str],
 
 def test_a_wrong_launch_layout_fails_the_check(capsys: pytest.CaptureFixture[str], cubins: dict,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_specs.SPECS, "rope_f32", KernelSpec("rope_f32", "rope.cu", "ppppiiiiiiifi"))
+    monkeypatch.setitem(_specs.SPECS, "rope_f32", KernelSpec("rope_f32", "rope.cu", "ppppiiiiiifiii"))
     code, out = check(capsys, "--no-emulate")
     assert code == 1 and "1 failure(s)" in out, out
     assert "FAIL layout differs from the launch code's" in row(out, "rope_f32")
@@ -45,3 +45,5 @@ def test_an_emulated_error_above_tolerance_fails_the_check(capsys: pytest.Captur
     code, out = check(capsys)
     assert code == 1 and "1 failure(s)" in out
     assert "FAIL 1.0e+00" in row(out, "zeros")
+    assert "GPU only (tensor cores)" in row(out, "flash_attention_tc-causal")
+    assert row(out, "flash_attention_twin-causal").split()[1] == "ok"

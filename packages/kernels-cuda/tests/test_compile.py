@@ -45,13 +45,15 @@ def test_compiles_to_cubin_with_the_launch_layout(cubins: dict, file: str, arch:
 
 def test_a_wrong_launch_spec_is_caught(cubins: dict) -> None:
     # rope_f32 with one int too many: the layout the launch code would pack no longer matches
-    wrong = KernelSpec("rope_f32", "rope.cu", "ppppiiiiiiifi")
+    wrong = KernelSpec("rope_f32", "rope.cu", "ppppiiiiiifiii")
     assert _cubin.param_layouts(cubins["rope.cu", "sm_90"])["rope_f32"] != wrong.layout()
 
 
 def test_emulator_parameter_sizes_match_the_specs(emulated) -> None:
     for name, s in SPECS.items():
-        assert emulated.param_sizes(name) == [size for _, size in s.layout()], name
+        if s.emulated:
+            assert emulated.param_sizes(name) == [size for _, size in s.layout()], name
+    assert {s.emulated for s in SPECS.values()} == {True, False}  # tensor-core kernels are not emulated
 
 
 def test_pack_checks_the_argument_count() -> None:
@@ -91,3 +93,17 @@ def test_a_compile_error_names_the_file(tmp_path: Path) -> None:
     bad.write_text('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }\n')
     with pytest.raises(KilnError, match=r"NVRTC could not compile bad\.cu for sm_90"):
         _nvrtc.compile_cubin(bad, "sm_90", cache=tmp_path)
+
+
+def test_tensor_core_kernels_compile_for_sm100_where_nvrtc_has_it(tmp_path: Path) -> None:
+    """Blackwell still runs mma.sync: the tiled attention compiles for sm_100 with the launch layout."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or 100 not in archs:
+        pytest.skip(f"this NVRTC does not compile for sm_100 ({archs})")
+    cubin = _nvrtc.compile_cubin("attention_mma.cu", "sm_100", cache=tmp_path).cubin
+    assert _cubin.arch_of(cubin) == "sm_100"
+    layouts = _cubin.param_layouts(cubin)
+    tc = {name for name, s in SPECS.items() if s.file == "attention_mma.cu"}
+    assert set(layouts) == tc and all(layouts[n] == SPECS[n].layout() for n in tc)
+    assert not any(r.local for r in _cubin.resources(cubin).values())

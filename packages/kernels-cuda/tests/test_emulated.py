@@ -6,18 +6,26 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kiln.core import KilnError
 from kiln.cuda import _ops, _specs
 from kiln.cuda._check import CASES, run_case
 from kiln.cuda._emulate import EmulatedDevice
-from kiln.cuda._ops import KERNELS
+from kiln.cuda._ops import KERNELS, DeviceArray
+
+EMULATED = {name: case for name, case in CASES.items() if not case.gpu_only}
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
+@pytest.mark.parametrize("case", EMULATED.values(), ids=list(EMULATED))
 def test_kernel_matches_numpy_reference(emulated: EmulatedDevice, case) -> None:
     assert run_case(case, emulated) <= case.atol
+
+
+def test_every_tensor_core_case_has_an_emulated_twin() -> None:
+    gpu_only = [name for name, case in CASES.items() if case.gpu_only]
+    assert gpu_only and all(name.replace("_tc-", "_twin-") in EMULATED for name in gpu_only)
 
 
 def test_every_kernel_op_has_a_case() -> None:
@@ -61,3 +69,77 @@ def test_a_barrier_not_every_thread_reaches_is_reported(tmp_path: Path,
     x = device.alloc(4 * 32)
     with pytest.raises(KilnError, match="'stuck_f32': a barrier that not every thread reaches"):
         device.launch("stuck_f32", (1,), (32,), (x,))
+
+
+def test_casts_round_like_ml_dtypes(emulated: EmulatedDevice) -> None:
+    """float32 -> bf16 -> float32 on the emulator, bit for bit against ml_dtypes' astype: random values and
+    the hard ones (ties to even both ways, subnormals, the largest finite values, overflow, inf, NaN)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x00008000, 0x00018000, 0x7F7F8000, 0x7F7F7FFF,
+                     0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x00000001, 0x80000000],
+                    np.uint32).view(np.float32)
+    spread = (rng.standard_normal(997) * 10.0 ** rng.integers(-40, 38, 997)).astype(np.float32)
+    bits = rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([ties, spread, bits])
+    dev = [DeviceArray(emulated, emulated.alloc(x.size * n), x.shape, t) for n, t in ((4, "float32"),
+                                                                                     (2, "bfloat16"),
+                                                                                     (4, "float32"))]
+    emulated.copy_to_device(dev[0].ptr, x)
+    _ops.cast(dev[0], out=(dev[1],))
+    _ops.cast(dev[1], out=(dev[2],))
+    half = emulated.copy_to_host(dev[1].ptr, x.size * 2).view(np.uint16)
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = x.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(x)
+    assert np.array_equal(half[~nan], want.view(np.uint16)[~nan])
+    assert np.isnan(want.view(ml_dtypes.bfloat16)[nan].astype(np.float32)).all()
+    assert np.isnan((half[nan].astype(np.uint32) << 16).view(np.float32)).all()
+    back = emulated.copy_to_host(dev[2].ptr, x.size * 4).view(np.float32)
+    assert np.array_equal(back[~nan], want.astype(np.float32)[~nan]) and np.isnan(back[nan]).all()
+
+
+def test_cast_names_what_it_cannot_do(emulated: EmulatedDevice) -> None:
+    x = DeviceArray(emulated, emulated.alloc(16), (4,), "float32")
+    with pytest.raises(KilnError, match=r"no kernel from float32 to int32; kiln\.cuda casts float32 -> bf"):
+        _ops.cast(x, out=(DeviceArray(emulated, emulated.alloc(16), (4,), "int32"),))
+    with pytest.raises(KilnError, match=r"out \(2, 2\) must have x's shape \(4,\)"):
+        _ops.cast(x, out=(DeviceArray(emulated, emulated.alloc(8), (2, 2), "bfloat16"),))
+
+
+def test_multi_tensor_adamw_equals_one_launch_per_tensor(emulated: EmulatedDevice) -> None:
+    """One launch over three tensors of ragged sizes gives the per-tensor kernel's bits (which the adamw
+    case checks against NumPy)."""
+    rng = np.random.default_rng(0)
+    sizes = (301, 1, 77)
+    state = [[(rng.standard_normal(n) * s).astype(np.float32) for s in (1.0, 1.0, 0.1, 0.1)] for n in sizes]
+    for t in state:
+        t[3] = np.abs(t[3])
+
+    def on_device() -> list[list[DeviceArray]]:
+        out = []
+        for t in state:
+            arrays = []
+            for a in t:
+                arrays.append(DeviceArray(emulated, emulated.alloc(a.nbytes), a.shape, "float32"))
+                emulated.copy_to_device(arrays[-1].ptr, a)
+            out.append(arrays)
+        return out
+
+    hyper = {"step": 3, "lr": 1e-2, "scale": 0.7, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+             "weight_decay": 0.1, "lr_scale": 0.5}
+    one, many = on_device(), on_device()
+    for p, g, m, v in one:
+        _ops.adamw_update(p, g, m, v, **hyper)
+    _ops.AdamwGroup(many)(**hyper)
+    for a, b in zip([x for t in one for x in t], [x for t in many for x in t], strict=True):
+        assert np.array_equal(emulated.copy_to_host(a.ptr, a.nbytes), emulated.copy_to_host(b.ptr, b.nbytes))
+
+
+@pytest.mark.parametrize("name", ["swiglu_backward-bf16", "fused_lm_head_loss_backward-bf16-None",
+                                  "fused_lm_head_loss_backward-bf16-3.0"])
+def test_rounding_kernels_give_numpys_bits(emulated: EmulatedDevice, name: str) -> None:
+    """The bf16 recipe's kernels that round inside the op, where no libm function or reduction order
+    differs from NumPy's kernels: the same bits on the emulator (their cases allow a GPU's GEMM order)."""
+    for seed in range(3):
+        assert run_case(CASES[name], emulated, seed) == 0.0

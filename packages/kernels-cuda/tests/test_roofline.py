@@ -42,7 +42,7 @@ def test_an_elementwise_op_is_bandwidth_bound_and_gets_no_tensor_cores() -> None
 
 def test_unknown_devices_and_precisions_are_named() -> None:
     prog = program("silu", {"x": (8, 8)}, {})
-    with pytest.raises(KilnError, match="unknown device 'v100'; kiln knows a100, h100"):
+    with pytest.raises(KilnError, match="unknown device 'v100'; kiln knows a100, h100, h200"):
         roofline(prog, "v100")
     with pytest.raises(KilnError, match="matmul='fp8' is not one of fp32, tf32, bf16"):
         roofline(prog, "h100", "fp8")
@@ -69,3 +69,38 @@ def test_bad_roofline_input_is_named_without_a_traceback(capsys: pytest.CaptureF
     assert main(["cuda", "roofline", "Qwen3Model", "--config", "{not json"]) == 2
     err = capsys.readouterr().err
     assert "--config is neither a JSON object nor a JSON file" in err and "Traceback" not in err
+
+
+def test_kiln_plan_device_prints_the_roofline(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kiln plan --device` asks the plugins (the kiln_step_time hook): kiln-kernels-cuda's roofline, in
+    bf16 under the bf16 recipe; the H200's bandwidth makes the memory-bound steps faster than the H100's."""
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    from kiln.core import compile
+    from kiln.core.cli import load_model
+
+    config = ('{"vocab_size": 512, "d_model": 64, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, '
+              '"head_size": 16, "d_ff": 128, "max_seq": 256}')
+    seen = {}
+    for device, precision in (("h100", "fp32"), ("H200", "fp32"), ("h100", "bf16")):
+        code = main(["plan", "Qwen3Model", "--config", config, "--batch", "2", "--seq", "128", "--device",
+                     device, "--precision", precision])
+        out = capsys.readouterr().out
+        assert code == 0 and f"predicted step time on {device}:" in out, out
+        matmul = "bf16" if precision == "bf16" else "fp32"
+        last = out.strip().splitlines()[-1].strip()
+        assert last.startswith(f"predicted step on {device.upper()} SXM (matmuls in {matmul}): ")
+        seen[device, precision] = float(last.split(": ")[1].split(" ms")[0])
+    bundle, _ = load_model("Qwen3Model", config)
+    program = compile(bundle, bindings={"B": 2, "T": 128}, recompute="dsl")  # kiln plan's default
+    assert seen["h100", "fp32"] == pytest.approx(roofline(program, "h100", "fp32").seconds * 1e3, rel=1e-3)
+    assert seen["H200", "fp32"] < seen["h100", "fp32"] and seen["h100", "bf16"] < seen["h100", "fp32"]
+
+
+def test_kiln_plan_names_a_device_no_plugin_knows(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    assert main(["plan", "Qwen3Model", "--config", '{"n_layers": 1, "vocab_size": 64, "d_model": 32, '
+                 '"num_query_heads": 2, "num_kv_heads": 1, "head_size": 16, "d_ff": 64}', "--batch", "1",
+                 "--seq", "8", "--device", "tpu-v5"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'tpu-v5': no installed plugin predicts step times on it" in err
+    assert "Traceback" not in err

@@ -4,11 +4,13 @@ It implements kiln-core's Backend and Executable protocols over a *device*: :cla
 through the driver API) or :class:`EmulatedDevice` (the same kernels on the CPU, for tests). An op
 without a CUDA kernel runs its NumPy reference on the host (``reference = True``): its inputs are copied
 to the host and its results back, visible in the Program as a step whose ``kernel`` is "" (the op's
-reference). Everything else stays on the device; the host reads only the gradient norm each step.
+reference). Everything else stays on the device; the host reads back only the gradient norm and
+clipping factor, after a step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -18,7 +20,34 @@ import numpy as np
 
 from kiln.core import PHASES, KilnError, Program, Step, counter_offset, get_registry
 from kiln.core.runtime import optimizer_step
-from kiln.cuda._ops import DeviceArray
+from kiln.cuda._ops import (
+    ALIGN,
+    BF16_KERNELS,
+    BF16_OPERANDS,
+    SCALARS,
+    AdamwGroup,
+    DeviceArray,
+    Workspace,
+    _Scratch,
+    adamw_update,
+    as_dtype,
+    cast,
+    grad_norm,
+    grad_norm_on_device,
+    round_bf16,
+    step_scalars,
+)
+
+FLOATS = ("float32", "bfloat16")
+
+
+def np_dtype(dtype: str) -> np.dtype[Any]:
+    """The NumPy dtype of a Program tensor's dtype (``bfloat16`` through ml_dtypes)."""
+    if dtype == "bfloat16":
+        from kiln.core.plan import require_ml_dtypes
+
+        return np.dtype(require_ml_dtypes().bfloat16)
+    return np.dtype(dtype)
 
 
 @attrs.frozen(eq=False)
@@ -36,7 +65,10 @@ class CudaBackend:
     name = "cuda"
     device = "cuda"
     dtypes = ("float32",)
-    capabilities: frozenset[str] = frozenset()
+    #: precision recipes it runs: ``bf16`` keeps bf16 tensors in 2-byte device buffers (below)
+    precisions = ("fp32", "bf16")
+    #: offloaded activations wait in pinned host memory, copied on a second stream (below)
+    capabilities: frozenset[str] = frozenset({"host_offload"})
     kernel_fallback: str | None = None
     reference = True  # ops without a CUDA kernel run their NumPy reference on the host
 
@@ -62,7 +94,7 @@ class CudaBackend:
         self.gpu.copy(dst.ptr, src.ptr, nbytes)
 
     def read(self, buffer: DeviceBuffer, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        dt = np.dtype(dtype)
+        dt = np_dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         self.gpu.synchronize()
         return self.gpu.copy_to_host(buffer.ptr + offset, n).view(dt).reshape(shape)
@@ -72,6 +104,23 @@ class CudaBackend:
 
     def compile(self, program: Program, buffer: DeviceBuffer, kernels: Any) -> CudaExecutable:
         return CudaExecutable(self, program, buffer, kernels)
+
+    def workspace_bytes(self, program: Program, kernels: Any) -> dict[int, int]:
+        """The bytes of kernel temporaries each step of ``program`` takes (a dry run of its launch
+        function, :func:`step_scratch`), plus one alignment's slack: ``compile`` places them in the arena."""
+        return {i: n + ALIGN for i, n in step_scratch(program, kernels, self.gpu).items() if n}
+
+    def reserve_workspace(self, nbytes: int) -> Workspace:
+        """The device's kernel workspace, grown to at least ``nbytes`` (one allocation, shared by the
+        Programs on the device: they run one at a time on its stream)."""
+        dev = self.gpu
+        ws = getattr(dev, "workspace", None)
+        if ws is None or ws.nbytes < nbytes:
+            if ws is not None:
+                dev.synchronize()
+                dev.free(ws.base)
+            dev.workspace = ws = Workspace(dev.alloc(nbytes), nbytes)
+        return ws
 
 
 class UnavailableBackend:
@@ -95,6 +144,11 @@ class UnavailableBackend:
     def dtypes(self) -> tuple[str, ...]:
         raise self._fail()
 
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Asking whether it runs a recipe (``bf16``) says why it runs nothing, not "does not run bf16"."""
+        raise self._fail()
+
     def allocate(self, nbytes: int) -> Any:
         raise self._fail()
 
@@ -113,32 +167,157 @@ class CudaExecutable:
         self.dev = arena.device
         self.kernels = kernels if kernels is not None else get_registry("kernels")
         self.ops = get_registry("ops")
-        self.arrays = {k: DeviceArray(self.dev, arena.ptr + t.offset, tuple(t.shape), t.dtype)
+        #: the host pool of offloaded activations: pinned host memory of the Executable's own
+        self.host = self.dev.alloc_host(program.host_bytes) if program.host_bytes else 0
+        if self.host:
+            weakref.finalize(self, self.dev.free_host, self.host)
+        self.arrays = {k: DeviceArray(self.dev, (self.host if t.pool == "host" else arena.ptr) + t.offset,
+                                      tuple(t.shape), t.dtype)
                        for k, t in program.tensors.items()}
+        self.on_host = {k for k, t in program.tensors.items() if t.pool == "host"}
+        #: step index -> the copy-stream events the compute stream waits on before it (host offload)
+        self.waits: dict[int, list[Any]] = {}
+        self.copy_events: list[Any] = []
         self.hyper: dict[str, Any] = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0,
                                       "optimizer": program.optimizer}
         self.runs: dict[str, list[Callable[[], None]]] = {}
+        #: the attributes of each AdamW group, in the order of their factors in ``scalars``
+        self.adamw_groups: list[dict[str, Any]] = []
+        #: the optimizer phase's run-time scalars on the device (``kiln.cuda._ops.step_scalars``): the
+        #: gradient norm and clipping factor computed there, the step's learning rate and AdamW factors
+        #: written before each run, so a captured optimizer phase reads them without the host
+        self.scalars = DeviceArray(self.dev, 0, (0,), "float32")
+        self.device_norm = False  # whether kiln's gradient norm computes the clipping factor there
+        self.host_steps: dict[str, list[str]] = {}  # phase -> the steps that run on the host
+        #: phase -> steps a CUDA graph cannot replay: random ops (their counters move per training step)
+        #: and host offload's copies (a second stream, host memory)
+        self.random_steps: dict[str, list[str]] = {}
+        #: step index -> its planned workspace in the arena
+        self.planned = {int(sl.name.split(".", 1)[1]): Workspace(arena.ptr + sl.offset, sl.nbytes)
+                        for sl in program.slots if sl.kind == "workspace"}
+        group: list[Step] = []  # consecutive AdamW updates of one parameter group: one launch
         for step in program.steps:
-            fn = self._closure(step)
+            if group and not self._joins(group, step):
+                self.runs.setdefault("optimizer", []).append(self._adamw_group(group))
+                group = []
+            if self._joins(group, step):
+                group.append(step)
+                continue
+            fn = self._in_workspace(self._closure(step), self.planned.get(step.index))
+            for event in self.waits.pop(step.index, ()):
+                self.runs.setdefault(step.phase, []).append(lambda e=event: self.dev.wait("compute", e))
             if fn is not None:
                 self.runs.setdefault(step.phase, []).append(fn)
+                if step.how in ("offload", "fetch"):
+                    self.random_steps.setdefault(step.phase, []).append(f"step {step.index} ({step.how})")
+                elif not step.kernel and step.how != "copy":
+                    self.host_steps.setdefault(step.phase, []).append(f"step {step.index} ({step.op.type})")
+        if group:
+            self.runs.setdefault("optimizer", []).append(self._adamw_group(group))
+        n = SCALARS + 3 * len(self.adamw_groups)
+        self.scalars = DeviceArray(self.dev, self.dev.alloc(4 * n), (n,), "float32")
+        weakref.finalize(self, self.dev.free, self.scalars.ptr)
+        for events in self.waits.values():  # read or overwritten in a later phase: waited for at the end
+            self.copy_events.extend(events)
+        self.waits.clear()
+        #: bytes of the kernels' temporaries outside the arena: none when the Program has planned each
+        #: step's in its arena (``workspace.<index>`` slots, from :meth:`CudaBackend.workspace_bytes`);
+        #: else (a Program planned for another backend object) the deepest step's, reserved once in the
+        #: device's workspace
+        self.workspace_bytes = 0
+        if not self.planned:
+            self.workspace_bytes = scratch_bytes(program, self.kernels, self.dev)
+            backend.reserve_workspace(self.workspace_bytes)
+        self.graphs: dict[tuple[str, ...], Callable[[], None]] = {}
 
     def run(self, phases: Iterable[str] = PHASES, *,
             hyper: Mapping[str, Any] | None = None) -> dict[str, float]:
         self.hyper.update(hyper or {})
-        for phase in phases:
-            for fn in self.runs.get(phase, ()):
+        phases = tuple(phases)
+        if "optimizer" in phases:  # the step's learning rate and AdamW factors, for the device to read
+            values = step_scalars(self.hyper["optimizer"], int(self.hyper["step"]), self.adamw_groups,
+                                  clip=self.device_norm)
+            self.hyper["lr"] = float(values[2])
+            self.dev.copy_to_device(self.scalars.ptr, values)
+        i = 0
+        while i < len(phases):  # a captured run of phases replays its graph
+            span = next((p for p in self.graphs if phases[i:i + len(p)] == p), None)
+            if span is not None:
+                self.graphs[span]()
+                i += len(span)
+                continue
+            for fn in self.runs.get(phases[i], ()):
                 fn()
+            i += 1
+        for event in self.copy_events:  # no copy of this run outlives it
+            self.dev.wait("compute", event)
+        if "optimizer" in phases:
+            self._read_scalars()
         return {k: float(self.hyper[k]) for k in ("grad_norm", "lr", "scale")}
+
+    def _read_scalars(self) -> None:
+        """The gradient norm and clipping factor the device computed, into ``hyper``."""
+        self.dev.synchronize()
+        norm, scale = self.dev.copy_to_host(self.scalars.ptr, 8).view(np.float32)
+        self.hyper["grad_norm"], self.hyper["scale"] = float(norm), float(scale)
+
+    def capture(self, phases: Sequence[str] = ("forward", "backward")) -> None:
+        """Record ``phases`` once as a CUDA graph (``device.capture``) that later runs of them replay: one
+        launch instead of one per kernel; ``capture(PHASES)`` records the whole training step, the optimizer
+        phase reading its learning rate and clipping factor from the device scalars (``scalars``) that
+        each run writes before replaying. The phases must run on the device alone: no host steps, no
+        allocation, no read back (an update kernel other than kiln's AdamW reads the clipping factor back).
+        A ``KilnError`` names what keeps a phase off the graph. Capturing runs nothing."""
+        phases = tuple(phases)
+        host = [s for p in phases for s in self.host_steps.get(p, ())]
+        if host:
+            raise KilnError(f"phases {', '.join(phases)} of {self.program.name!r} cannot be captured: "
+                            f"{', '.join(host[:4])} run on the host (no CUDA kernel)")
+        rand = [s for p in phases for s in self.random_steps.get(p, ())]
+        if rand:
+            raise KilnError(f"phases {', '.join(phases)} of {self.program.name!r} cannot be captured: "
+                            f"{', '.join(rand[:4])} draw a new mask each training step or copy to or "
+                            "from the host")
+        if not hasattr(self.dev, "capture"):
+            raise KilnError(f"device {getattr(self.dev, 'name', '?')!r} cannot capture CUDA graphs")
+        runs = [fn for p in phases for fn in self.runs.get(p, ())]
+
+        def body() -> None:
+            for fn in runs:
+                fn()
+
+        self.graphs[phases] = self.dev.capture(body)
 
     def read(self, name: str) -> np.ndarray:
         a = self.arrays[name]
         self.dev.synchronize()
-        return self.dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
+        if name in self.on_host:  # pinned host memory: read in place
+            raw = np.empty(a.nbytes, np.uint8)
+            ctypes.memmove(raw.ctypes.data, a.ptr, a.nbytes)
+            return raw.view(np_dtype(a.dtype)).reshape(a.shape)
+        return self.dev.copy_to_host(a.ptr, a.nbytes).view(np_dtype(a.dtype)).reshape(a.shape)
 
     def write(self, name: str, value: Any) -> None:
         a = self.arrays[name]
-        self.dev.copy_to_device(a.ptr, np.asarray(value).astype(a.dtype).reshape(a.shape))
+        v = np.ascontiguousarray(np.asarray(value).astype(np_dtype(a.dtype)).reshape(a.shape))
+        if name in self.on_host:
+            self.dev.synchronize()
+            ctypes.memmove(a.ptr, v.ctypes.data, a.nbytes)
+            return
+        self.dev.copy_to_device(a.ptr, v)
+
+    def _joins(self, group: Sequence[Step], step: Step) -> bool:
+        """Whether ``step`` is an update by kiln's AdamW kernel with the attributes of ``group``'s."""
+        if step.how != "optimizer" or not step.kernel or self.kernels[step.kernel].fn is not adamw_update:
+            return False
+        return not group or dict(group[0].attrs) == dict(step.attrs)
+
+    def _adamw_group(self, steps: Sequence[Step]) -> Callable[[], None]:
+        update = AdamwGroup([[self.arrays[k] for k in s.inputs if k] for s in steps])
+        attrs_ = dict(steps[0].attrs)
+        slot = SCALARS + 3 * len(self.adamw_groups)
+        self.adamw_groups.append(attrs_)
+        return lambda: update.on_device(self.scalars, slot, **attrs_)
 
     def _closure(self, step: Step) -> Callable[[], None] | None:
         ins = [self.arrays[k] if k else None for k in step.inputs]
@@ -146,16 +325,120 @@ class CudaExecutable:
         kw = dict(step.attrs)
         if step.how == "alias":
             return None
+        if step.how in ("offload", "fetch"):
+            return self._host_copy(step, ins[0], outs[0])
         if step.how == "copy":
             src, dst = ins[0], outs[0]
             assert src is not None and dst is not None
+            if src.dtype != dst.dtype:  # a bf16 tensor into a float32 slot, or back: the cast kernel
+                return lambda: cast(src.reshape(dst.shape), out=[dst])
             return lambda: self.dev.copy(dst.ptr, src.ptr, dst.nbytes)
         if not step.kernel:
             return self._host_closure(step, ins, outs, kw)
         kernel = self.kernels[step.kernel].fn
         if step.how == "optimizer":
-            return optimizer_step(step.op.type, kernel, [a for a in ins if a is not None], self.hyper, kw)
+            return self._optimizer_closure(step, kernel, [a for a in ins if a is not None], kw)
+        if self.ops.get_op(step.op.type).random and "offset" in kw:
+            kernel = self._counters(step, kernel, int(kw["offset"]))
+        if self.program.precision.lowers:
+            return low_precision(self.program, step, self.ops.get_op(step.op.type), kernel, ins, outs, kw)
         return lambda: kernel(*ins, out=outs, **kw)
+
+    def _in_workspace(self, fn: Callable[[], None] | None, ws: Workspace | None) -> Callable[[], None] | None:
+        """``fn`` with its step's planned workspace as the device's while it runs."""
+        if fn is None or ws is None:
+            return fn
+        dev, run = self.dev, fn
+
+        def in_ws() -> None:
+            prev, dev.workspace, ws.top = getattr(dev, "workspace", None), ws, 0
+            try:
+                run()
+            finally:
+                dev.workspace = prev
+
+        return in_ws
+
+    def _optimizer_closure(self, step: Step, kernel: Callable[..., Any], arrays: list[DeviceArray],
+                           kw: dict[str, Any]) -> Callable[[], None]:
+        """kiln's gradient norm writes the norm and clipping factor into the device scalars; any other
+        update (SGD, a plugin's) gets them from the host, read back first (it cannot be captured)."""
+        hyper = self.hyper
+        if kernel is grad_norm:
+            self.device_norm = True
+            return lambda: grad_norm_on_device(self.scalars, arrays)
+        self.random_steps.setdefault(step.phase, []).append(
+            f"step {step.index} ({step.op.type}, reads the clipping factor on the host)")
+        update = optimizer_step(step.op.type, kernel, arrays, hyper, kw)
+
+        def run() -> None:
+            if step.op.type != "grad_norm":
+                self._read_scalars()
+            update()
+            if step.op.type == "grad_norm":  # a plugin's norm on the host: where the device reads it
+                self.dev.copy_to_device(self.scalars.ptr,
+                                        np.array([hyper["grad_norm"], hyper["scale"]], np.float32))
+
+        return run
+
+    def _host_copy(self, step: Step, src: DeviceArray | None, dst: DeviceArray | None) -> Callable[[], None]:
+        """An offload (device to the host pool) or a fetch (back) on the copy stream: it starts when the
+        compute stream has reached this step (an event), and the compute stream waits for it (another
+        event) right before the first later step that overwrites the offloaded storage or reads the
+        fetched one, so the copy overlaps the kernels between."""
+        assert src is not None and dst is not None
+        if src.dtype != dst.dtype or src.nbytes != dst.nbytes:
+            raise KilnError(f"step {step.index} ({step.how}): {src.dtype} {src.shape} to {dst.dtype} "
+                            f"{dst.shape} is not a plain copy")
+        dev, ready, done = self.dev, self.dev.event(), self.dev.event()
+        watched = step.inputs[0] if step.how == "offload" else step.outputs[0]
+        later = self._next_touch(step, watched, write=step.how == "offload")
+        self.waits.setdefault(later, []).append(done)
+
+        def run() -> None:
+            dev.record(ready, "compute")
+            dev.wait("copy", ready)
+            dev.copy_async(dst.ptr, src.ptr, dst.nbytes, "copy")
+            dev.record(done, "copy")
+
+        return run
+
+    def _next_touch(self, step: Step, key: str, *, write: bool) -> int:
+        """The first step of the same phase after ``step`` that writes (``write``) or reads the arena bytes
+        of tensor ``key``; -1 (the end of the run) if none does."""
+        t = self.program.tensors[key]
+        lo, hi = t.offset, t.offset + self.arrays[key].nbytes
+
+        def touches(names: Sequence[str]) -> bool:
+            for k in names:
+                if k and k not in self.on_host:
+                    u = self.program.tensors[k]
+                    if u.offset < hi and lo < u.offset + self.arrays[k].nbytes:
+                        return True
+            return False
+
+        for later in self.program.steps[step.index + 1:]:
+            if later.phase != step.phase:
+                break
+            if later.how == "alias":
+                continue
+            names = (*later.outputs, *(later.inputs if later.how == "optimizer" else ())) if write \
+                else later.inputs
+            if touches(names):
+                return later.index
+        return -1
+
+    def _counters(self, step: Step, kernel: Callable[..., Any], base: int) -> Callable[..., Any]:
+        """A random op's kernel with the counter offset of the layer and training step it runs in (the
+        NumPy backend's :func:`~kiln.core.counter_offset`), so its masks are the NumPy backend's. Read at
+        run time, so such a step cannot be captured in a CUDA graph."""
+        hyper, layer = self.hyper, step.layer or 0
+        self.random_steps.setdefault(step.phase, []).append(f"step {step.index} ({step.op.type})")
+
+        def run(*args: Any, **kw: Any) -> Any:
+            return kernel(*args, **{**kw, "offset": counter_offset(base, layer, int(hyper["step"]))})
+
+        return run
 
     def _host_closure(self, step: Step, ins: Sequence[DeviceArray | None], outs: Sequence[DeviceArray | None],
                       kw: dict[str, Any]) -> Callable[[], None]:
@@ -163,6 +446,8 @@ class CudaExecutable:
         opdef = self.ops.get_op(step.op.type)
         where = f"step {step.index} ({step.op.type}, on the host)"
         dev, hyper = self.dev, self.hyper
+        if self.program.precision.lowers and step.how != "optimizer":
+            return self._host_low_precision(step, opdef, ins, outs, kw, where)
 
         def host(a: DeviceArray | None) -> np.ndarray | None:
             return None if a is None else dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
@@ -172,6 +457,8 @@ class CudaExecutable:
             attrs_ = dict(kw)
             if opdef.random and "offset" in attrs_:  # the NumPy backend's counters, so masks agree
                 attrs_["offset"] = counter_offset(int(attrs_["offset"]), step.layer or 0, int(hyper["step"]))
+            if step.how == "optimizer":  # the clipping factor the device computed
+                self._read_scalars()
             arrays = [host(a) for a in ins]
             if step.how == "optimizer":
                 opdef.kernel(*[a for a in arrays if a is not None], step=hyper["step"], lr=hyper["lr"],
@@ -192,3 +479,166 @@ class CudaExecutable:
                 dev.copy_to_device(o.ptr, r.astype(o.dtype, copy=False))
 
         return run
+
+    def _host_low_precision(self, step: Step, opdef: Any, ins: Sequence[DeviceArray | None],
+                            outs: Sequence[DeviceArray | None], kw: dict[str, Any],
+                            where: str) -> Callable[[], None]:
+        """A host step under the bf16 recipe, as the NumPy backend runs it: the op's NumPy bf16 kernel
+        (``op@numpy:bfloat16``, whose rounding points lie inside the op) or its reference, on float32
+        copies of the inputs (rounded to bf16 first for a ``lower`` op), the outputs rounded where the
+        Program says and stored in their slots' dtypes."""
+        program, dev, hyper = self.program, self.dev, self.hyper
+        own = f"{step.op.type}@numpy:bfloat16"
+        kernel = self.kernels[own].fn if own in self.kernels else opdef.kernel
+        lower = _computes_low(program, step, opdef)
+        rounded = [bool(k) and k in program.rounded for k in step.outputs]
+        low = np_dtype("bfloat16")
+
+        def host(a: DeviceArray | None) -> np.ndarray | None:
+            if a is None:
+                return None
+            x = dev.copy_to_host(a.ptr, a.nbytes).view(np_dtype(a.dtype)).reshape(a.shape)
+            if a.dtype not in FLOATS:
+                return x
+            return (x.astype(low) if lower else x).astype(np.float32)
+
+        def run() -> None:
+            dev.synchronize()
+            attrs_ = dict(kw)
+            if opdef.random and "offset" in attrs_:
+                attrs_["offset"] = counter_offset(int(attrs_["offset"]), step.layer or 0, int(hyper["step"]))
+            res = kernel(*[host(a) for a in ins], **attrs_)
+            results = res if isinstance(res, (tuple, list)) else (res,)
+            for o, r, rnd in zip(outs, results, rounded, strict=True):
+                if o is None:
+                    continue
+                r = np.asarray(r)
+                if r.shape != o.shape:
+                    raise KilnError(f"{where}: the reference returned shape {r.shape}, the plan has "
+                                    f"{o.shape}")
+                r = r.astype(np.float32) if o.dtype in FLOATS else r  # through a float32 slot, as NumPy
+                if rnd and o.dtype == "float32":
+                    r = r.astype(np.float32).astype(low)
+                dev.copy_to_device(o.ptr, np.ascontiguousarray(r.astype(np_dtype(o.dtype))))
+
+        return run
+
+
+def _computes_low(program: Program, step: Step, opdef: Any) -> bool:
+    """Whether ``step`` computes in bf16 under the Program's recipe (its float inputs rounded first): a
+    ``lower`` op, or one an ``@precision`` annotation sends there (``Program.computes``)."""
+    computes = getattr(program, "computes", {}).get(next((k for k in step.outputs if k), ""))
+    return computes == "bf16" if computes else program.precision.default_class(opdef) == "lower"
+
+
+def low_precision(program: Program, step: Step, opdef: Any, kernel: Callable[..., Any],
+                  inputs: Sequence[DeviceArray | None], outputs: Sequence[DeviceArray | None],
+                  kw: Mapping[str, Any]) -> Callable[[], None]:
+    """A step of a bf16-recipe Program on the device, rounding where the NumPy backend's emulation does:
+    bf16 tensors widened to float32 copies (exact), the float inputs of a ``lower`` op rounded to bf16
+    first, the float32 kernel run, each output the Program lists in ``rounded`` rounded to bf16, and
+    stored in its slot's dtype (a bf16 slot: the cast kernel, round to nearest even). A kernel of its
+    own for bf16 (``kiln.cuda._ops.BF16_KERNELS``: attention on tensor cores) reads and writes the
+    slots as they are."""
+    ins, outs = list(inputs), list(outputs)
+    if kernel in BF16_KERNELS.values():
+        return lambda: kernel(*ins, out=outs, **kw)
+    lower = _computes_low(program, step, opdef)
+    rounded = [bool(k) and k in program.rounded for k in step.outputs]
+    dev = next(a.device for a in (*ins, *outs) if a is not None)
+    operands = 2 if lower and step.op.type in BF16_OPERANDS else 0  # a matmul's a and b, as bf16
+
+    def read(s: _Scratch, i: int, a: DeviceArray | None) -> DeviceArray | None:
+        if a is None or a.dtype not in FLOATS:
+            return a
+        if i < operands:
+            return as_dtype(s, a, "bfloat16")
+        if lower and a.dtype == "float32":
+            return round_bf16(s, a)
+        return as_dtype(s, a, "float32")
+
+    def run() -> None:
+        with _Scratch(dev) as s:
+            xs = [read(s, i, a) for i, a in enumerate(ins)]
+            ys = [None if o is None else o if o.dtype != "bfloat16" else s.array(o.shape) for o in outs]
+            kernel(*xs, out=ys, **kw)
+            for o, y, rnd in zip(outs, ys, rounded, strict=True):
+                if o is None or y is None:
+                    continue
+                if y is not o:
+                    cast(y, out=[o])  # the store into bf16 is the rounding
+                elif rnd and o.dtype == "float32":
+                    round_bf16(s, o, into=o)
+
+    return run
+
+
+class _SizingDevice:
+    """Stands for the device in a dry run of a Program's kernels: launches and copies nothing, reads back
+    zeros, and records the deepest stack of scratch allocations (aligned as the workspace aligns)."""
+
+    name = "sizing"
+    workspace = None
+
+    def __init__(self, real: Any) -> None:
+        self.arch = getattr(real, "arch", "")
+        self.blas = self if getattr(real, "blas", None) is not None else None  # the same path, run dry
+        self.sizes: dict[int, int] = {}
+        self.live = self.high = 0
+        self._next = 1 << 40
+
+    def alloc(self, nbytes: int) -> int:
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        ptr, self._next = self._next, self._next + size
+        self.sizes[ptr] = size
+        self.live += size
+        self.high = max(self.high, self.live)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.live -= self.sizes.pop(ptr)
+
+    def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, np.uint8)
+
+    def launch(self, *args: Any) -> None:
+        pass
+
+    memset = copy = copy_to_device = gemm = launch
+
+    def synchronize(self) -> None:
+        pass
+
+
+def scratch_bytes(program: Program, kernels: Any, device: Any) -> int:
+    """The largest scratch memory any step of ``program`` takes on ``device`` (:func:`step_scratch`)."""
+    return max(step_scratch(program, kernels, device).values(), default=0)
+
+
+def step_scratch(program: Program, kernels: Any, device: Any) -> dict[int, int]:
+    """The scratch memory each step of ``program`` takes on ``device``, by step index: each step's kernel
+    run dry (launching nothing) on a :class:`_SizingDevice` with the Program's shapes."""
+    sizing, need = _SizingDevice(device), {}
+    arrays = {k: DeviceArray(sizing, 0, tuple(t.shape), t.dtype) for k, t in program.tensors.items()}
+    hyper = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0, "optimizer": program.optimizer}
+    ops = get_registry("ops")
+    for step in program.steps:
+        if not step.kernel or step.how in ("alias", "copy"):
+            continue
+        ins = [arrays[k] if k else None for k in step.inputs]
+        fn = kernels[step.kernel].fn
+        sizing.high = sizing.live = 0
+        try:
+            if step.how == "optimizer":
+                optimizer_step(step.op.type, fn, [a for a in ins if a is not None], hyper, dict(step.attrs))()
+            elif program.precision.lowers:  # with the casts' temporaries
+                low_precision(program, step, ops.get_op(step.op.type), fn, ins,
+                              [arrays[k] if k else None for k in step.outputs], step.attrs)()
+            else:
+                fn(*ins, out=[arrays[k] if k else None for k in step.outputs], **step.attrs)
+        except KilnError:
+            raise
+        except Exception:  # a plugin's kernel that needs more of a device than a dry run has:
+            continue  # its temporaries, if any, are allocated when it runs (Workspace.overflows)
+        need[step.index] = sizing.high
+    return need

@@ -101,6 +101,9 @@ def case_rows(emulate: bool) -> tuple[list[list[str]], int, list[str]]:
             if device is None:
                 cells.append("not run")
                 continue
+            if case.gpu_only and device is emulated:
+                cells.append("GPU only (tensor cores)")
+                continue
             try:
                 err = run_case(case, device)
             except Exception as e:  # a kernel that fails to run is a failure of this case, not of the tool
@@ -132,7 +135,7 @@ def run(args: Any) -> int:
     for note in notes:
         print(note)
     failures = compile_failures + case_failures
-    runs = sum(cell != "not run" for row in cases for cell in row[1:])
+    runs = sum(cell not in ("not run", "GPU only (tensor cores)") for row in cases for cell in row[1:])
     print(f"\n{len(compiled)} kernels compiled for {', '.join(archs)}; {runs} runs of {len(cases)} cases: "
           + (f"{failures} failure(s)" if failures else "no failure"))
     sys.stdout.flush()

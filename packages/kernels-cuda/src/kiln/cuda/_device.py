@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,8 +65,26 @@ class CudaDevice:
         minor = _check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                                                    self.handle), "cuDeviceGetAttribute")
         self.arch = f"sm_{major}{minor}"
+        #: every launch, memset and device copy goes to this stream (capturable, unlike the legacy default
+        #: stream); host copies on the legacy stream wait for it (a blocking stream)
+        self.stream = _check(driver.cuStreamCreate(0), "cuStreamCreate")
+        #: host offload's copies (device <-> pinned host memory) overlap the kernels on a second stream,
+        #: ordered with the compute stream by events
+        self.copy_stream = _check(driver.cuStreamCreate(1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        self.workspace: Any = None  # the kernels' workspace, reserved by the backend
         self._modules: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
+        from kiln.cuda._blas import Blas, nvmath_installed
+
+        #: cuBLASLt for matmuls when nvmath-python (with its cuBLAS libraries) loads, else None: the SIMT
+        #: kernels, and ``blas_error`` says why
+        self.blas: Blas | None = None
+        self.blas_error = "nvmath-python is not installed (pip install kiln-kernels-cuda[blas])"
+        if nvmath_installed():
+            try:
+                self.blas = Blas(self)
+            except Exception as e:  # a missing cuBLAS library, an old driver: the SIMT kernels still run
+                self.blas_error = f"cuBLASLt does not load: {e}"
 
     def function(self, name: str) -> Any:
         if name not in self._functions:
@@ -83,8 +101,22 @@ class CudaDevice:
     def launch(self, name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object]) -> None:
         packed = pack(name, args)
         g, b = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-        _check(self.driver.cuLaunchKernel(self.function(name), *g, *b, 0, 0, packed.address, 0),
+        _check(self.driver.cuLaunchKernel(self.function(name), *g, *b, 0, self.stream, packed.address, 0),
                f"launching {name}")
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """``body``'s launches on the stream captured as a CUDA graph (not run); returns its replay."""
+        d = self.driver
+        mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _check(d.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
+        try:
+            body()
+        except BaseException:
+            d.cuStreamEndCapture(self.stream)
+            raise
+        graph = _check(d.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        executable = _check(d.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        return lambda: _check(d.cuGraphLaunch(executable, self.stream), "cuGraphLaunch")
 
     def alloc(self, nbytes: int) -> int:
         ptr = _check(self.driver.cuMemAlloc(max(nbytes, 1)), "cuMemAlloc")
@@ -96,7 +128,7 @@ class CudaDevice:
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
         if nbytes:
-            _check(self.driver.cuMemsetD8(ptr, value, nbytes), "cuMemsetD8")
+            _check(self.driver.cuMemsetD8Async(ptr, value, nbytes, self.stream), "cuMemsetD8Async")
 
     def copy_to_device(self, ptr: int, value: np.ndarray) -> None:
         value = np.ascontiguousarray(value)
@@ -111,7 +143,33 @@ class CudaDevice:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         if nbytes:
-            _check(self.driver.cuMemcpyDtoD(dst, src, nbytes), "cuMemcpyDtoD")
+            _check(self.driver.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
     def synchronize(self) -> None:
         _check(self.driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    # host offload: pinned host memory, the copy stream and events
+
+    def alloc_host(self, nbytes: int) -> int:
+        """Page-locked host memory (``cuMemHostAlloc``), so copies to and from it run asynchronously."""
+        return int(_check(self.driver.cuMemHostAlloc(max(nbytes, 1), 0), "cuMemHostAlloc"))
+
+    def free_host(self, ptr: int) -> None:
+        _check(self.driver.cuMemFreeHost(ptr), "cuMemFreeHost")
+
+    def _stream(self, name: str) -> Any:
+        return self.copy_stream if name == "copy" else self.stream
+
+    def event(self) -> Any:
+        return _check(self.driver.cuEventCreate(2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+
+    def record(self, event: Any, stream: str) -> None:
+        _check(self.driver.cuEventRecord(event, self._stream(stream)), "cuEventRecord")
+
+    def wait(self, stream: str, event: Any) -> None:
+        _check(self.driver.cuStreamWaitEvent(self._stream(stream), event, 0), "cuStreamWaitEvent")
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: str = "copy") -> None:
+        """A copy between device and pinned host memory (unified addressing) on ``stream``."""
+        if nbytes:
+            _check(self.driver.cuMemcpyAsync(dst, src, nbytes, self._stream(stream)), "cuMemcpyAsync")

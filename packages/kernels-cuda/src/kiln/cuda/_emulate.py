@@ -12,7 +12,7 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ def build(file: str, *, kernel_dir: Path = KERNEL_DIR, cache: Path | None = None
     if cxx is None:
         raise KilnError("the CUDA emulator needs a C++20 compiler: install g++ (or set CXX)")
     src = kernel_dir / file
-    names = sorted(n for n, s in SPECS.items() if s.file == file)
+    names = sorted(n for n, s in SPECS.items() if s.file == file and s.emulated)
     wrapper = [f'#include "{HEADER}"', f'#include "{src}"']
     for n in names:
         wrapper += [f'extern "C" int emu_launch_{n}(const unsigned* g, void** a) {{',
@@ -70,7 +70,39 @@ class EmulatedDevice:
         self.kernel_dir, self.cache = kernel_dir, cache
         self._libs: dict[str, ctypes.CDLL] = {}
         self._memory: dict[int, np.ndarray] = {}
-        self.launches = 0
+        self.launches = self.allocs = 0
+        self.workspace: Any = None  # the kernels' workspace, reserved by the backend
+        self._tape: list[Callable[[], None]] | None = None
+        #: the copy stream: its copies wait here, run as late as the stream order allows (when the compute
+        #: stream waits on an event recorded after them, or at a synchronisation), so a missing wait shows
+        #: as data copied too late
+        self._copies: list[Callable[[], None]] = []
+        self._events: dict[int, int] = {}  # event -> the copies queued before it was recorded on "copy"
+        self._ran = 0  # copies of the queue run so far
+
+    # CUDA graphs: what a stream capture records, replayed
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """Records the launches, memsets and device copies ``body`` makes instead of running them (as a
+        stream capture does) and returns their replay. What a CUDA graph cannot hold (an allocation, a
+        free, a copy to or from the host, a synchronisation) is a ``KilnError``."""
+        tape: list[Callable[[], None]] = []
+        self._tape = tape
+        try:
+            body()
+        finally:
+            self._tape = None
+
+        def replay() -> None:
+            for op in tape:
+                op()
+
+        return replay
+
+    def _not_captured(self, what: str) -> None:
+        if self._tape is not None:
+            raise KilnError(f"{what} while capturing a CUDA graph: a graph holds only kernel launches, "
+                            "memsets and device-to-device copies")
 
     def library(self, file: str) -> ctypes.CDLL:
         if file not in self._libs:
@@ -80,37 +112,96 @@ class EmulatedDevice:
     # memory: host arrays, their addresses as device pointers
 
     def alloc(self, nbytes: int) -> int:
+        self._not_captured("an allocation")
+        self.allocs += 1
         block = np.zeros(max(nbytes, 1) + 256, np.uint8)
         ptr = -(-block.ctypes.data // 256) * 256  # device allocations are 256-byte aligned
         self._memory[ptr] = block
         return ptr
 
     def free(self, ptr: int) -> None:
+        self._not_captured("a free")
         self._memory.pop(ptr, None)
 
     def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        if self._tape is not None:
+            self._tape.append(lambda: ctypes.memset(ptr, value, nbytes))
+            return
         ctypes.memset(ptr, value, nbytes)
 
     def copy_to_device(self, ptr: int, value: np.ndarray) -> None:
+        self._not_captured("a copy from the host")
         value = np.ascontiguousarray(value)
         ctypes.memmove(ptr, value.ctypes.data, value.nbytes)
 
     def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        self._not_captured("a copy to the host")
         out = np.empty(nbytes, np.uint8)
         ctypes.memmove(out.ctypes.data, ptr, nbytes)
         return out
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
+        if self._tape is not None:
+            self._tape.append(lambda: ctypes.memmove(dst, src, nbytes))
+            return
         ctypes.memmove(dst, src, nbytes)
 
     def synchronize(self) -> None:
-        pass
+        self._not_captured("a synchronisation")
+        self._flush(len(self._copies))
+
+    # the copy stream and events (host offload): kernels run at once (the compute stream), copies later
+
+    def alloc_host(self, nbytes: int) -> int:
+        """Pinned host memory on a GPU; here host memory like every allocation."""
+        return self.alloc(nbytes)
+
+    def free_host(self, ptr: int) -> None:
+        self.free(ptr)
+
+    def event(self) -> int:
+        event = len(self._events) + 1
+        self._events[event] = -1
+        return event
+
+    def record(self, event: int, stream: str) -> None:
+        """Marks ``event`` on ``stream`` ("compute" or "copy") after what was queued on it so far."""
+        self._not_captured("an event on the copy stream")
+        self._events[event] = len(self._copies) if stream == "copy" else -1
+
+    def wait(self, stream: str, event: int) -> None:
+        """``stream`` waits for ``event``: the compute stream for copies queued before it (run now); the
+        copy stream for compute work before it (already done: the compute stream runs at once)."""
+        at = self._events.get(event, -1)
+        if stream == "compute" and at >= 0:
+            self._flush(at)
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: str = "copy") -> None:
+        self._not_captured("a copy to or from the host")
+        if stream != "copy":
+            self.copy(dst, src, nbytes)
+            return
+        self._copies.append(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def _flush(self, upto: int) -> None:
+        while self._ran < upto:
+            self._copies[self._ran]()
+            self._ran += 1
 
     def launch(self, name: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object]) -> None:
         kernel = spec(name)
-        packed = pack(name, args)
+        if not kernel.emulated:
+            raise KilnError(f"kernel {name!r} runs on tensor cores, on a GPU only; the emulator runs its "
+                            "SIMT twin")
+        packed = pack(name, args)  # the arguments' values now, as cuLaunchKernel copies them
         geom = (ctypes.c_uint * 6)(*_dim3(grid), *_dim3(block))
-        rc = getattr(self.library(kernel.file), f"emu_launch_{name}")(geom, packed.array)
+        fn = getattr(self.library(kernel.file), f"emu_launch_{name}")
+        if self._tape is not None:
+            self._tape.append(lambda: self._check_launch(name, grid, block, fn(geom, packed.array)))
+            return
+        self._check_launch(name, grid, block, fn(geom, packed.array))
+
+    def _check_launch(self, name: str, grid: Sequence[int], block: Sequence[int], rc: int) -> None:
         self.launches += 1
         if rc == 1:
             raise KilnError(f"kernel {name!r}: a barrier that not every thread reaches (deadlock) "

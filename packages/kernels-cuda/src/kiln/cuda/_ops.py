@@ -8,8 +8,10 @@ launch here through the CPU emulator against that reference.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,13 +35,24 @@ class DeviceArray:
     shape: tuple[int, ...]
     dtype: str
 
+    def reshape(self, shape: Sequence[int]) -> DeviceArray:
+        """The same memory with another shape of as many elements."""
+        if math.prod(shape) != self.size:
+            raise KilnError(f"cannot view {self.shape} as {tuple(shape)}")
+        return attrs.evolve(self, shape=tuple(shape))
+
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * itemsize(self.dtype)
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element; ``bfloat16`` (its 16 bits, as the kernels read it) without importing ml_dtypes."""
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 def cdiv(a: int, b: int) -> int:
@@ -71,27 +84,63 @@ def _i32(a: DeviceArray, what: str) -> None:
         raise KilnError(f"kiln.cuda's kernels read {what} as int32; found {a.dtype}")
 
 
+#: alignment of every device allocation and workspace slice
+ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Workspace:
+    """One device allocation the kernels' temporaries are carved from (a stack: :class:`_Scratch` takes
+    slices and gives them back on exit). The backend sizes it when it compiles a Program, by a dry run of
+    every step (:func:`kiln.cuda._backend.scratch_bytes`), so a training step allocates no memory (and a
+    CUDA graph can capture it). A slice that does not fit falls back to an allocation, counted in
+    ``overflows``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.base, self.nbytes, self.top, self.high, self.overflows = ptr, nbytes, 0, 0, 0
+
+    def take(self, nbytes: int) -> int | None:
+        start = _align(self.base + self.top) - self.base  # ALIGN-aligned addresses, wherever the base is
+        if start + nbytes > self.nbytes:
+            self.overflows += 1
+            return None
+        self.top = start + nbytes
+        self.high = max(self.high, self.top)
+        return self.base + start
+
+
 class _Scratch:
-    """Device memory standing in for outputs nothing reads (None in ``out``), freed on exit."""
+    """Device memory standing in for outputs nothing reads (None in ``out``) and kernels' temporaries:
+    slices of the device's workspace when it has one, else allocations; released on exit."""
 
     def __init__(self, device: Any) -> None:
         self.device, self.ptrs = device, []
+        self.workspace: Workspace | None = getattr(device, "workspace", None)
+        self.mark = self.workspace.top if self.workspace is not None else 0
 
     def __enter__(self) -> _Scratch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.workspace is not None:
+            self.workspace.top = self.mark
         for p in self.ptrs:
             self.device.free(p)
 
     def array(self, shape: Sequence[int], dtype: str = "float32") -> DeviceArray:
         shape = tuple(shape)
-        p = self.device.alloc(math.prod(shape) * np.dtype(dtype).itemsize)
-        self.ptrs.append(p)
+        nbytes = math.prod(shape) * itemsize(dtype)
+        p = self.workspace.take(nbytes) if self.workspace is not None else None
+        if p is None:
+            p = self.device.alloc(nbytes)
+            self.ptrs.append(p)
         return DeviceArray(self.device, p, shape, dtype)
 
-    def out(self, o: DeviceArray | None, shape: Sequence[int]) -> DeviceArray:
-        return self.array(shape) if o is None else o
+    def out(self, o: DeviceArray | None, shape: Sequence[int], dtype: str = "float32") -> DeviceArray:
+        return self.array(shape, dtype) if o is None else o
 
 
 # --- elementwise ----------------------------------------------------------------------------------
@@ -116,6 +165,11 @@ def fill(*, out: Sequence[DeviceArray], value: float, **_: Any) -> None:
 
 def zeros_like(x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
     _fill(0.0)(out=out)
+
+
+def copy(x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    if out[0].ptr != x.ptr:
+        x.device.copy(out[0].ptr, x.ptr, x.nbytes)
 
 
 def scale(x: DeviceArray, *, out: Sequence[DeviceArray], factor: float) -> None:
@@ -161,6 +215,71 @@ def _unary_backward(kernel: str, **flags: Callable[[Any], int]) -> Callable[...,
     return fn
 
 
+#: (from, to) dtypes -> the cast kernel
+CASTS = {("float32", "bfloat16"): "cast_f32_bf16", ("bfloat16", "float32"): "cast_bf16_f32"}
+
+
+def cast(x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    """``out = x`` in ``out``'s dtype: float32 to bfloat16 rounds to nearest even, bfloat16 to float32 is
+    exact; a cast to the same dtype is a copy."""
+    o = out[0]
+    if o.shape != x.shape:
+        raise KilnError(f"cast on cuda: out {o.shape} must have x's shape {x.shape}")
+    if o.dtype == x.dtype:
+        x.device.copy(o.ptr, x.ptr, x.nbytes)
+        return
+    kernel = CASTS.get((x.dtype, o.dtype))
+    if kernel is None:
+        raise KilnError(f"cast on cuda: no kernel from {x.dtype} to {o.dtype}; kiln.cuda casts "
+                        + ", ".join(f"{a} -> {b}" for a, b in CASTS))
+    x.device.launch(kernel, ew_grid(x.size), (THREADS,), (x.ptr, o.ptr, x.size))
+
+
+def cast_op(x: DeviceArray, *, out: Sequence[DeviceArray], dtype: str) -> None:
+    """The op ``cast``: ``x``'s values rounded to ``dtype`` (``bf16``: nearest even; ``fp32``: as they
+    are), held in ``out``'s own type (a float32 slot keeps the bf16 values as float32)."""
+    o = out[0]
+    if dtype == "fp32" or o.dtype == "bfloat16" or x.dtype == "bfloat16":
+        if dtype not in ("fp32", "bf16"):
+            raise KilnError(f"op 'cast' to {dtype!r} on cuda: kiln.cuda casts to fp32 and bf16")
+        cast(x, out=[o])  # a copy, a widening (exact) or the rounding into a bf16 slot
+        return
+    if dtype != "bf16":
+        raise KilnError(f"op 'cast' to {dtype!r} on cuda: kiln.cuda casts to fp32 and bf16",
+                        hint="fp16, fp8 and fp4 casts run on the numpy backend")
+    with _Scratch(x.device) as s:
+        round_bf16(s, x, into=o)
+
+
+def _signed(u: int) -> int:
+    """A 64-bit pattern as the signed value a ``long long`` argument carries."""
+    u &= (1 << 64) - 1
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _mix64(z: int) -> int:
+    """The splitmix64 finaliser on a 64-bit integer (the kernel's ``mix64``), for the hashed seed."""
+    m = (1 << 64) - 1
+    z &= m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def dropout(x: DeviceArray, *, out: Sequence[DeviceArray], p: float, seed: int, offset: int) -> None:
+    """The counter-based mask of kiln-core's ``dropout`` (the same splitmix64 stream, so the same mask as
+    the NumPy backend for the same seed and counters); ``offset`` is the step's counter offset."""
+    _f32(x, out[0])
+    if not 0.0 <= p < 1.0:
+        raise KilnError(f"op 'dropout': p = {p} is not a drop probability in [0, 1)")
+    key = _mix64(seed)
+    threshold = math.ceil(p * 2.0**53)
+    if x.size:
+        x.device.launch("dropout_f32", ew_grid(x.size), (THREADS,),
+                        (x.ptr, out[0].ptr, x.size, _signed(key), _signed(offset), threshold,
+                         float(np.float32(1.0 / (1.0 - p)))))
+
+
 def _is_tanh(approximate: str) -> int:
     return int(approximate == "tanh")
 
@@ -177,6 +296,30 @@ def swiglu_backward(d: DeviceArray, x: DeviceArray, *, out: Sequence[DeviceArray
     m = x.shape[-1] // 2
     rows = x.size // max(x.shape[-1], 1)
     x.device.launch("swiglu_backward_f32", ew_grid(rows * m), (THREADS,), (d.ptr, x.ptr, out[0].ptr, rows, m))
+
+
+def swiglu_bf16(x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    """``swiglu`` under the bf16 recipe (``swiglu@cuda:bfloat16``), rounding inside the op where NumPy's
+    ``swiglu@numpy:bfloat16`` does: ``x`` read as fp32, ``out`` stored in its slot's dtype."""
+    m = x.shape[-1] // 2
+    rows = x.size // max(x.shape[-1], 1)
+    with _Scratch(x.device) as s:
+        x32 = as_dtype(s, x, "float32")
+        ys, store = _bf16_outputs(s, out, ("float32",))
+        x.device.launch("swiglu_rp_bf16", ew_grid(rows * m), (THREADS,), (x32.ptr, ys[0].ptr, rows, m))
+        store()
+
+
+def swiglu_backward_bf16(d: DeviceArray, x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    """Its backward with NumPy's ``swiglu_backward@numpy:bfloat16`` rounding points."""
+    m = x.shape[-1] // 2
+    rows = x.size // max(x.shape[-1], 1)
+    with _Scratch(x.device) as s:
+        d32, x32 = as_dtype(s, d, "float32"), as_dtype(s, x, "float32")
+        ys, store = _bf16_outputs(s, out, ("float32",))
+        x.device.launch("swiglu_backward_rp_bf16", ew_grid(rows * m), (THREADS,),
+                        (d32.ptr, x32.ptr, ys[0].ptr, rows, m))
+        store()
 
 
 def silu_mul(gate: DeviceArray, up: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
@@ -326,7 +469,8 @@ def embedding_backward(d_out: DeviceArray, ids: DeviceArray, *, out: Sequence[De
 
 
 def rope(x: DeviceArray, freqs: DeviceArray | None, position_ids: DeviceArray, *, out: Sequence[DeviceArray],
-         head_dim: int, rotary_dim: int | None = None, theta: float = 10000.0, inverse: bool = False) -> None:
+         head_dim: int, rotary_dim: int | None = None, theta: float = 10000.0, inverse: bool = False,
+         interleaved: bool = False) -> None:
     _f32(x, freqs)
     _i32(position_ids, "position ids")
     b, t, f = x.shape
@@ -337,27 +481,100 @@ def rope(x: DeviceArray, freqs: DeviceArray | None, position_ids: DeviceArray, *
     n = b * t * (f // head_dim) * (head_dim - rd // 2)
     x.device.launch("rope_f32", ew_grid(n), (THREADS,),
                     (x.ptr, _ptr(freqs), position_ids.ptr, out[0].ptr, b, t, f // head_dim, head_dim, rd,
-                     int(len(position_ids.shape) == 2), theta, int(inverse)))
+                     int(len(position_ids.shape) == 2), theta, int(inverse), int(interleaved)))
 
 
 # --- matmul ---------------------------------------------------------------------------------------
 
 
+def rope_freqs(*, out: Sequence[DeviceArray], rows: int, rotary_dim: int, theta: float, rope_type: str,
+               **scaling: Any) -> None:
+    """The (cos, sin) table of a RoPE kind: its inverse frequencies by kiln-core's own function on the
+    host (``rotary_dim // 2`` values, from the attributes alone) copied to the workspace, then a thread
+    per (position, frequency)."""
+    from kiln.core.ops import rope_inv_freq
+
+    o = out[0]
+    _f32(o)
+    inv, attention = rope_inv_freq(rotary_dim, theta, rope_type, seq_len=rows, **scaling)
+    half = rotary_dim // 2
+    with _Scratch(o.device) as s:
+        table = s.array((half,))
+        o.device.copy_to_device(table.ptr, np.ascontiguousarray(inv, np.float32))
+        if rows and half:
+            o.device.launch("rope_freqs_f32", ew_grid(rows * half), (THREADS,),
+                            (table.ptr, o.ptr, rows, half, attention))
+
+
 def matmul(a: DeviceArray, b: DeviceArray, c: DeviceArray | None = None, *, out: Sequence[DeviceArray],
            transpose: str = "NN", accumulate: bool = False, alpha: float = 1.0, beta: float = 1.0) -> None:
-    """out = alpha op(a) op(b) (+ c, or beta c): the tiled SIMT kernel, batched over leading dims."""
-    _f32(a, b, c)
+    """out = alpha op(a) op(b) (+ c, or beta c), batched over leading dims: cuBLASLt where the device has
+    it (``device.blas``, nvmath-python on a GPU), else the tiled SIMT kernel. ``a`` and ``b`` both
+    bfloat16 (the bf16 recipe): bf16 in, fp32 accumulate, a float32 ``out``."""
+    eff_beta = 1.0 if (beta == 1.0 or accumulate) else beta
+    blas = getattr(a.device, "blas", None)
+    if blas is not None:
+        from kiln.cuda._blas import gemm_plan
+
+        o = out[0]
+        if c is not None and (c.shape != o.shape or c.dtype != o.dtype):
+            raise KilnError(f"matmul on cuBLASLt: c {c.shape} {c.dtype} must be out's {o.shape} {o.dtype}")
+        plan = gemm_plan(a.shape, b.shape, o.shape, (a.dtype, b.dtype, o.dtype), transpose=transpose,
+                         alpha=alpha, beta=eff_beta if c is not None else 0.0)
+        if plan.m and plan.n and plan.batch:
+            blas.gemm(plan, b.ptr, a.ptr, _ptr(c), o.ptr)
+        return
+    low = a.dtype == b.dtype == "bfloat16"  # the bf16 recipe: bf16 in, fp32 accumulate and out
+    _f32(*(() if low else (a, b)), c, out[0])
+    if a.shape[:-2] != b.shape[:-2]:  # the kernel strides both operands by one batch index
+        raise KilnError(f"matmul on cuda: a {a.shape} and b {b.shape} have different batch dims; broadcast "
+                        "batch dims have no CUDA kernel yet")
     ta, tb = transpose[0] == "T", transpose[1] == "T"
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
     n = b.shape[-2] if tb else b.shape[-1]
     batch = math.prod(a.shape[:-2])
     if not (m and n and batch):
         return
-    eff_beta = 1.0 if (beta == 1.0 or accumulate) else beta
     grid = (cdiv(n, MATMUL_TILE), cdiv(m, MATMUL_TILE), batch)
-    a.device.launch("matmul_f32", grid, (MATMUL_TILE, MATMUL_TILE),
+    a.device.launch("matmul_bf16" if low else "matmul_f32", grid, (MATMUL_TILE, MATMUL_TILE),
                     (a.ptr, b.ptr, _ptr(c), out[0].ptr, m, n, k, int(ta), int(tb), m * k, k * n, m * n, alpha,
                      eff_beta))
+
+
+def layernorm(x: DeviceArray, weight: DeviceArray, bias: DeviceArray | None = None, *,
+              out: Sequence[DeviceArray | None], eps: float) -> None:
+    """A block per row: the mean, then the biased variance around it (two passes), then y."""
+    _f32(x, weight, bias)
+    c = x.shape[-1]
+    rows = x.size // c
+    with _Scratch(x.device) as s:
+        y, mean, rstd = s.out(out[0], x.shape), s.out(out[1], x.shape[:-1]), s.out(out[2], x.shape[:-1])
+        if rows:
+            x.device.launch("layernorm_f32", (rows,), row_block(c),
+                            (x.ptr, weight.ptr, _ptr(bias), y.ptr, mean.ptr, rstd.ptr, c, eps))
+
+
+def layernorm_backward(d_y: DeviceArray | None, x: DeviceArray, mean: DeviceArray, rstd: DeviceArray,
+                       weight: DeviceArray, d_mean: DeviceArray | None = None,
+                       d_rstd: DeviceArray | None = None, *, out: Sequence[DeviceArray | None]) -> None:
+    """d_weight and d_bias (column kernel, first: d_x may take over d_y's storage), then d_x (rows)."""
+    _f32(d_y, x, mean, rstd, weight, d_mean, d_rstd)
+    dev, c = x.device, x.shape[-1]
+    rows = x.size // c
+    with _Scratch(dev) as s:
+        d_x, d_w = s.out(out[0], x.shape), s.out(out[1], weight.shape)
+        d_b = out[2]
+        if d_y is None or not rows:
+            for a in (d_w, d_b):
+                if a is not None:
+                    dev.memset(a.ptr, 0, a.nbytes)
+        else:
+            dev.launch("layernorm_backward_dw_f32", (cdiv(c, THREADS),), (THREADS,),
+                       (d_y.ptr, x.ptr, mean.ptr, rstd.ptr, d_w.ptr, _ptr(d_b), rows, c))
+        if rows:
+            dev.launch("layernorm_backward_dx_f32", (rows,), row_block(c),
+                       (_ptr(d_y), x.ptr, mean.ptr, rstd.ptr, weight.ptr, _ptr(d_mean), _ptr(d_rstd), d_x.ptr,
+                        c))
 
 
 # --- the LM head's loss: a composition ------------------------------------------------------------
@@ -367,7 +584,7 @@ LOGITS_TILE = 1 << 22
 
 
 def _rows_of(a: DeviceArray, r0: int, r1: int) -> DeviceArray:
-    row = math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize
+    row = math.prod(a.shape[1:]) * itemsize(a.dtype)
     return DeviceArray(a.device, a.ptr + r0 * row, (r1 - r0, *a.shape[1:]), a.dtype)
 
 
@@ -434,13 +651,14 @@ def fused_lm_head_loss_backward(d_loss: DeviceArray | None, x: DeviceArray, weig
 ATTN_PER_LANE = 8
 
 
-def _heads(qkv: DeviceArray, hq: int, hkv: int, d: int, op: str) -> tuple[int, int]:
+def _heads(qkv: DeviceArray, hq: int, hkv: int, d: int, op: str, limit: int = 32 * ATTN_PER_LANE,
+           kernel: str = "the SIMT kernel") -> tuple[int, int]:
     b, t, f = qkv.shape
     if f != (hq + 2 * hkv) * d or hkv <= 0 or hq % hkv:
         raise KilnError(f"op {op!r} on cuda: packed qkv [{b}, {t}, {f}] does not hold Hq = {hq} and "
                         f"Hkv = {hkv} heads of D = {d} (Hq a multiple of Hkv)")
-    if d > 32 * ATTN_PER_LANE:
-        raise KilnError(f"op {op!r} on cuda: head dim {d} > {32 * ATTN_PER_LANE}, the SIMT kernel's limit")
+    if d > limit:
+        raise KilnError(f"op {op!r} on cuda: head dim {d} > {limit}, the limit of {kernel}")
     return b, t
 
 
@@ -456,31 +674,41 @@ def _segments(segment_ids: DeviceArray | None) -> int:
     return _ptr(segment_ids)
 
 
+def _softcap(softcap: float | None, op: str) -> float:
+    if softcap is not None and softcap <= 0:
+        raise KilnError(f"op {op!r}: softcap must be > 0, found {softcap}")
+    return softcap or 0.0
+
+
 def flash_attention(qkv: DeviceArray, segment_ids: DeviceArray | None = None, *,
                     out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int, causal: bool = True,
-                    softmax_scale: float | None = None, window_size: int | None = None) -> None:
+                    softmax_scale: float | None = None, window_size: int | None = None,
+                    softcap: float | None = None, alibi: bool = False) -> None:
+    op = "flash_attention"
     _f32(qkv)
-    b, t = _heads(qkv, Hq, Hkv, D, "flash_attention")
+    b, t = _heads(qkv, Hq, Hkv, D, op)
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     with _Scratch(qkv.device) as s:
         o, lse = s.out(out[0], (b, t, Hq * D)), s.out(out[1], (b, Hq, t))
         if b and t:
             qkv.device.launch("flash_attention_f32", (t, Hq, b), (32,),
                               (qkv.ptr, _segments(segment_ids), o.ptr, lse.ptr, t, Hq, Hkv, D, int(causal),
-                               _window(window_size, "flash_attention"), scale))
+                               _window(window_size, op), scale, _softcap(softcap, op), int(alibi)))
 
 
 def flash_attention_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: DeviceArray, lse: DeviceArray,
                              d_lse: DeviceArray | None = None, segment_ids: DeviceArray | None = None, *,
                              out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int,
                              causal: bool = True, softmax_scale: float | None = None,
-                             window_size: int | None = None) -> None:
+                             window_size: int | None = None, softcap: float | None = None,
+                             alibi: bool = False) -> None:
     """The query kernel (dq, and each row's shift), then the key kernel (dk, dv)."""
     _f32(d_out, qkv, o, lse, d_lse)
     op = "flash_attention_backward"
     b, t = _heads(qkv, Hq, Hkv, D, op)
     scale = D**-0.5 if softmax_scale is None else softmax_scale
-    geometry = (t, Hq, Hkv, D, int(causal), _window(window_size, op), scale)
+    geometry = (t, Hq, Hkv, D, int(causal), _window(window_size, op), scale, _softcap(softcap, op),
+                int(alibi))
     with _Scratch(qkv.device) as s:
         d_qkv, shift = s.out(out[0], qkv.shape), s.array((b, Hq, t))
         if b and t:
@@ -490,6 +718,502 @@ def flash_attention_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: Dev
                                *geometry))
             qkv.device.launch("flash_attention_backward_dkv_f32", (t, Hkv, b), (32,),
                               (_ptr(d_out), qkv.ptr, lse.ptr, shift.ptr, seg, d_qkv.ptr, *geometry))
+
+
+# --- attention on tensor cores: bf16 in, fp32 accumulate (attention_mma.cu) ------------------------
+
+#: head dims of the tiled bf16 attention kernels, one kernel each (D is padded with zeros up to it)
+MMA_HEAD_DIMS = (64, 128)
+#: query (or key) rows of a block of the tiled attention kernels, and its threads (4 warps)
+MMA_ROWS, MMA_THREADS = 64, 128
+
+
+def _copy_cols(src: DeviceArray, dst: DeviceArray, rows: int, cols: int, src_off: int, dst_off: int) -> None:
+    if rows and cols:
+        src.device.launch("copy_cols_f32", ew_grid(rows * cols), (THREADS,),
+                          (src.ptr, dst.ptr, rows, cols, src.size // rows, src_off, dst.size // rows,
+                           dst_off))
+
+
+def _separate_heads(q: DeviceArray, k: DeviceArray, op: str) -> tuple[int, int, int, int, int] | None:
+    """(B, T, Hq, Hkv, D) of ``attention`` on q [B, T, Hq, D] and k [B, T, Hkv, D]; None when q and k
+    have different lengths (the flash kernels attend a sequence to itself)."""
+    if len(q.shape) != 4 or len(k.shape) != 4:
+        raise KilnError(f"op {op!r} on cuda: q, k, v must be [B, T, H, D], found {q.shape} and {k.shape}")
+    b, t, hq, d = q.shape
+    return None if k.shape[1] != t else (b, t, hq, k.shape[2], d)
+
+
+def _attention_on_host(op: str, inputs: Sequence[DeviceArray | None], out: Sequence[DeviceArray | None],
+                       attrs: dict[str, Any]) -> None:
+    """kiln-core's reference of ``op`` on host copies (cross attention, Tq != Tk: no kernel yet)."""
+    from kiln.core import op_registry
+
+    dev = next(a.device for a in inputs if a is not None)
+    dev.synchronize()
+    host = [None if a is None else dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
+            for a in inputs]
+    results = op_registry().get_op(op).kernel(*host, **attrs)
+    for o, r in zip(out, results, strict=True):
+        if o is not None:
+            dev.copy_to_device(o.ptr, np.ascontiguousarray(r, np.float32))
+
+
+def attention(q: DeviceArray, k: DeviceArray, v: DeviceArray, segment_ids: DeviceArray | None = None, *,
+              out: Sequence[DeviceArray | None], **attrs: Any) -> None:
+    """``attention`` on separate q [B, T, Hq, D], k and v [B, T, Hkv, D]: packed into the workspace as
+    ``flash_attention``'s qkv (``copy_cols``), then its kernels; out [B, T, Hq, D] is their output's
+    layout. q and k of different lengths run the reference on the host."""
+    _f32(q, k, v)
+    dims = _separate_heads(q, k, "attention")
+    if dims is None:
+        _attention_on_host("attention", (q, k, v, segment_ids), out, attrs)
+        return
+    b, t, hq, hkv, d = dims
+    with _Scratch(q.device) as s:
+        qkv = s.array((b, t, (hq + 2 * hkv) * d))
+        for x, off in ((q, 0), (k, hq * d), (v, (hq + hkv) * d)):
+            _copy_cols(x, qkv, b * t, x.shape[2] * d, 0, off)
+        o, lse = s.out(out[0], q.shape), s.out(out[1], (b, hq, t))
+        flash_attention(qkv, segment_ids, out=(o.reshape((b, t, hq * d)), lse), Hq=hq, Hkv=hkv, D=d, **attrs)
+
+
+def attention_backward(d_out: DeviceArray | None, q: DeviceArray, k: DeviceArray, v: DeviceArray,
+                       o: DeviceArray, lse: DeviceArray, d_lse: DeviceArray | None = None,
+                       segment_ids: DeviceArray | None = None, *, out: Sequence[DeviceArray | None],
+                       **attrs: Any) -> None:
+    """Its gradient: q, k, v packed, ``flash_attention_backward``'s kernels, d_qkv split into d_q, d_k,
+    d_v."""
+    _f32(d_out, q, k, v, o, lse, d_lse)
+    dims = _separate_heads(q, k, "attention_backward")
+    if dims is None:
+        _attention_on_host("attention_backward", (d_out, q, k, v, o, lse, d_lse, segment_ids), out, attrs)
+        return
+    b, t, hq, hkv, d = dims
+    width = (hq + 2 * hkv) * d
+    with _Scratch(q.device) as s:
+        qkv, d_qkv = s.array((b, t, width)), s.array((b, t, width))
+        offsets = (0, hq * d, (hq + hkv) * d)
+        for x, off in zip((q, k, v), offsets, strict=True):
+            _copy_cols(x, qkv, b * t, x.shape[2] * d, 0, off)
+        flat = (b, t, hq * d)
+        flash_attention_backward(None if d_out is None else d_out.reshape(flat), qkv, o.reshape(flat), lse,
+                                 d_lse, segment_ids, out=(d_qkv,), Hq=hq, Hkv=hkv, D=d, **attrs)
+        for g, x, off in zip(out, (q, k, v), offsets, strict=True):
+            if g is not None:
+                _copy_cols(d_qkv, g, b * t, x.shape[2] * d, off, 0)
+
+
+def _bf16(*arrays: DeviceArray | None) -> None:
+    for a in arrays:
+        if a is not None and a.dtype != "bfloat16":
+            raise KilnError(f"the tiled attention kernels read and write bf16; found a {a.dtype} tensor "
+                            f"{a.shape}")
+
+
+def tensor_cores_available(device: Any) -> bool:
+    """Whether ``device`` runs mma.sync's bf16 tensor-core instructions: a GPU of sm_80 or newer."""
+    arch = str(getattr(device, "arch", ""))
+    return arch.startswith("sm_") and arch[3:].isdigit() and int(arch[3:]) >= 80
+
+
+def _mma_geometry(qkv: DeviceArray, segment_ids: DeviceArray | None, op: str, Hq: int, Hkv: int, D: int,
+                  causal: bool, softmax_scale: float | None, window_size: int | None, softcap: float | None,
+                  alibi: bool, tensor_cores: bool) -> tuple[str, tuple[int, int], tuple[Any, ...]]:
+    """The kernels' name suffix (variant and head dim), (B, T) and the trailing launch arguments."""
+    b, t = _heads(qkv, Hq, Hkv, D, op, MMA_HEAD_DIMS[-1], "the tiled bf16 kernels")
+    if tensor_cores and not tensor_cores_available(qkv.device):
+        raise KilnError(f"op {op!r}: the tensor-core kernels need a GPU of sm_80 or newer; device "
+                        f"{getattr(qkv.device, 'name', '?')!r} is {getattr(qkv.device, 'arch', '?')!r} "
+                        "(tensor_cores=False runs the SIMT twin)")
+    hd = next(h for h in MMA_HEAD_DIMS if h >= D)
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    tail = (t, Hq, Hkv, D, int(causal), _window(window_size, op), scale, _softcap(softcap, op), int(alibi))
+    return f"{'tc' if tensor_cores else 'twin'}{hd}_bf16", (b, t), tail
+
+
+def flash_attention_mma(qkv: DeviceArray, segment_ids: DeviceArray | None = None, *,
+                        out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int, causal: bool = True,
+                        softmax_scale: float | None = None, window_size: int | None = None,
+                        softcap: float | None = None, alibi: bool = False, tensor_cores: bool = True) -> None:
+    """``flash_attention`` (with ``attention``'s ``softcap`` and ``alibi``) on bf16 ``qkv``: ``out`` in bf16,
+    ``lse`` in fp32, on tensor cores (sm_80+) or, with ``tensor_cores=False``, their SIMT twin."""
+    _bf16(qkv, out[0])
+    _f32(out[1])
+    suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, "flash_attention", Hq, Hkv, D, causal,
+                                         softmax_scale, window_size, softcap, alibi, tensor_cores)
+    with _Scratch(qkv.device) as s:
+        o, lse = s.out(out[0], (b, t, Hq * D), "bfloat16"), s.out(out[1], (b, Hq, t))
+        if b and t:
+            qkv.device.launch(f"flash_attention_{suffix}", (cdiv(t, MMA_ROWS), Hq, b), (MMA_THREADS,),
+                              (qkv.ptr, _segments(segment_ids), o.ptr, lse.ptr, *tail))
+
+
+def flash_attention_mma_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: DeviceArray,
+                                 lse: DeviceArray, d_lse: DeviceArray | None = None,
+                                 segment_ids: DeviceArray | None = None, *,
+                                 out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int,
+                                 causal: bool = True, softmax_scale: float | None = None,
+                                 window_size: int | None = None, softcap: float | None = None,
+                                 alibi: bool = False, tensor_cores: bool = True) -> None:
+    """The gradient of :func:`flash_attention_mma`: the query kernel (dq, and each row's shift), then the
+    key kernel (dk, dv); ``d_qkv`` in bf16."""
+    op = "flash_attention_backward"
+    _bf16(d_out, qkv, o, out[0])
+    _f32(lse, d_lse)
+    suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, op, Hq, Hkv, D, causal, softmax_scale, window_size,
+                                         softcap, alibi, tensor_cores)
+    with _Scratch(qkv.device) as s:
+        d_qkv, shift = s.out(out[0], qkv.shape, "bfloat16"), s.array((b, Hq, t))
+        if b and t:
+            seg = _segments(segment_ids)
+            qkv.device.launch(f"flash_attention_backward_dq_{suffix}", (cdiv(t, MMA_ROWS), Hq, b),
+                              (MMA_THREADS,), (_ptr(d_out), qkv.ptr, o.ptr, lse.ptr, _ptr(d_lse), seg,
+                                               d_qkv.ptr, shift.ptr, *tail))
+            qkv.device.launch(f"flash_attention_backward_dkv_{suffix}", (cdiv(t, MMA_ROWS), Hkv, b),
+                              (MMA_THREADS,),
+                              (_ptr(d_out), qkv.ptr, lse.ptr, shift.ptr, seg, d_qkv.ptr, *tail))
+
+
+# --- Mamba ----------------------------------------------------------------------------------------
+
+
+def _conv_dims(x: DeviceArray, weight: DeviceArray, op: str) -> tuple[int, int, int, int]:
+    if len(x.shape) != 3 or len(weight.shape) != 3:
+        raise KilnError(f"op {op!r} on cuda: x must be [B, D, T] and weight [D, 1, K], found {x.shape} and "
+                        f"{weight.shape}")
+    return (*x.shape, weight.shape[-1])  # type: ignore[return-value]
+
+
+def mamba_conv1d(x: DeviceArray, weight: DeviceArray, bias: DeviceArray | None = None,
+                 conv_state: DeviceArray | None = None, *, out: Sequence[DeviceArray | None],
+                 activation: str = "silu", return_final_states: bool = False) -> None:
+    """The causal depthwise conv (a thread per output element), after ``conv_state`` when given; with
+    ``return_final_states`` the last K - 1 inputs as the second output (the next chunk's state)."""
+    _f32(x, weight, bias, conv_state)
+    b, d, t, k = _conv_dims(x, weight, "mamba_conv1d")
+    if return_final_states and len(out) > 1 and out[1] is not None and b * d * (k - 1):
+        x.device.launch("mamba_conv1d_state_f32", ew_grid(b * d * (k - 1)), (THREADS,),
+                        (x.ptr, _ptr(conv_state), out[1].ptr, b * d, t, k))
+    if b * d * t:
+        x.device.launch("mamba_conv1d_f32", ew_grid(b * d * t), (THREADS,),
+                        (x.ptr, weight.ptr, _ptr(bias), _ptr(conv_state), _ptr(out[0]), b * d, d, t, k,
+                         int(activation == "silu")))
+
+
+def mamba_conv1d_backward(d_y: DeviceArray | None, x: DeviceArray, weight: DeviceArray,
+                          bias: DeviceArray | None = None, conv_state: DeviceArray | None = None,
+                          d_final_states: DeviceArray | None = None, *, out: Sequence[DeviceArray | None],
+                          activation: str = "silu") -> None:
+    """g = d_y times the activation's derivative (recomputed), then d_x (and d_conv_state) as a transposed
+    conv, then d_weight and d_bias as ordered column sums."""
+    _f32(d_y, x, weight, bias, conv_state, d_final_states)
+    b, d, t, k = _conv_dims(x, weight, "mamba_conv1d_backward")
+    dev = x.device
+    with _Scratch(dev) as s:
+        g = s.array(x.shape)
+        d_x, d_w = s.out(out[0], x.shape), s.out(out[1], weight.shape)
+        d_b = out[2] if len(out) > 2 else None
+        d_state = out[3] if len(out) > 3 else None
+        if d_y is None or not b * d * t:
+            dev.memset(g.ptr, 0, g.nbytes)
+        else:
+            dev.launch("mamba_conv1d_grad_f32", ew_grid(b * d * t), (THREADS,),
+                       (d_y.ptr, x.ptr, weight.ptr, _ptr(bias), _ptr(conv_state), g.ptr, b * d, d, t, k,
+                        int(activation == "silu")))
+        if b * d:
+            dev.launch("mamba_conv1d_backward_dx_f32", ew_grid(b * d * (t + k - 1)), (THREADS,),
+                       (g.ptr, weight.ptr, _ptr(d_final_states), d_x.ptr, _ptr(d_state), b * d, d, t, k))
+        if d:
+            dev.launch("mamba_conv1d_backward_dw_f32", (cdiv(d * (k + 1), THREADS),), (THREADS,),
+                       (g.ptr, x.ptr, _ptr(conv_state), d_w.ptr, _ptr(d_b), b, d, t, k))
+
+
+#: warps (channels) per block of the scan kernels
+SCAN_WARPS = 4
+
+
+def _scan_dims(u: DeviceArray, A: DeviceArray, B: DeviceArray, op: str) -> tuple[int, int, int, int, int]:
+    """(batch, channels D, T, state size N, groups G: 0 for B of [B, N, T])."""
+    if len(u.shape) != 3 or len(A.shape) != 2 or len(B.shape) not in (3, 4):
+        raise KilnError(f"op {op!r} on cuda: u [B, D, T], A [D, N], B [B, N, T] or [B, G, N, T]; found "
+                        f"{u.shape}, {A.shape}, {B.shape}")
+    b, d, t = u.shape
+    n = A.shape[1]
+    g = B.shape[1] if len(B.shape) == 4 else 0
+    if n > 32:
+        raise KilnError(f"op {op!r} on cuda: the scan kernel holds a state of N <= 32 per channel (a lane "
+                        f"each); found N = {n}", hint="run this model on the numpy backend")
+    if g and d % g:
+        raise KilnError(f"op {op!r}: D = {d} channels do not split into G = {g} groups of B and C")
+    return b, d, t, n, g
+
+
+def mamba_selective_scan(u: DeviceArray, delta: DeviceArray, A: DeviceArray, B: DeviceArray, C: DeviceArray,
+                         D: DeviceArray | None = None, z: DeviceArray | None = None,
+                         delta_bias: DeviceArray | None = None, ssm_state: DeviceArray | None = None, *,
+                         out: Sequence[DeviceArray | None], delta_softplus: bool = False,
+                         return_last_state: bool = False) -> None:
+    """A warp per channel, a lane per state, sequential over time; the last state as the second output."""
+    _f32(u, delta, A, B, C, D, z, delta_bias, ssm_state)
+    b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan")
+    last = out[1] if return_last_state and len(out) > 1 else None
+    with _Scratch(u.device) as s:
+        y = s.out(out[0], u.shape)
+        if b * d:
+            u.device.launch("mamba_scan_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
+                            (u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias),
+                             _ptr(ssm_state), y.ptr, _ptr(last), b, d, t, n, g, int(delta_softplus)))
+
+
+def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, delta: DeviceArray,
+                                  A: DeviceArray, B: DeviceArray, C: DeviceArray,
+                                  D: DeviceArray | None = None, z: DeviceArray | None = None,
+                                  delta_bias: DeviceArray | None = None, ssm_state: DeviceArray | None = None,
+                                  d_last_state: DeviceArray | None = None, *,
+                                  out: Sequence[DeviceArray | None], delta_softplus: bool = False) -> None:
+    """The forward replayed per channel (its states in the workspace: [B, D, T, N]), the scan in reverse,
+    then ordered sums: d_A, d_D, d_delta_bias over the batch, d_B and d_C over a group's channels."""
+    _f32(d_out, u, delta, A, B, C, D, z, delta_bias, ssm_state, d_last_state)
+    b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan_backward")
+    dev = u.device
+    with _Scratch(dev) as s:
+        h, y = s.array((b, d, t, n)), s.array(u.shape)
+        p_b, p_c, p_a, p_d, p_db = (s.array((b, d, t, n)), s.array((b, d, t, n)), s.array((b, d, n)),
+                                    s.array((b, d)), s.array((b, d)))
+        d_u, d_delta, d_a, d_b, d_c = (s.out(out[0], u.shape), s.out(out[1], u.shape), s.out(out[2], A.shape),
+                                       s.out(out[3], B.shape), s.out(out[4], C.shape))
+        d_dv, d_z, d_db = (s.out(out[i], shape) for i, shape in ((5, (d,)), (6, u.shape), (7, (d,))))
+        d_state = out[8] if len(out) > 8 else None
+        if not b * d:
+            return
+        dev.launch("mamba_scan_backward_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
+                   (_ptr(d_out), u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias),
+                    _ptr(ssm_state), _ptr(d_last_state), h.ptr, y.ptr, d_u.ptr, d_delta.ptr, d_z.ptr, p_b.ptr,
+                    p_c.ptr, p_a.ptr, p_d.ptr, p_db.ptr, _ptr(d_state), b, d, t, n, g, int(delta_softplus)))
+        for part, dst, size in ((p_a, d_a, d * n), (p_d, d_dv, d), (p_db, d_db, d)):
+            dev.launch("mamba_sum_batch_f32", ew_grid(size), (THREADS,), (part.ptr, dst.ptr, b, size))
+        for part, dst in ((p_b, d_b), (p_c, d_c)):
+            if dst.size:
+                dev.launch("mamba_sum_group_f32", ew_grid(dst.size), (THREADS,),
+                           (part.ptr, dst.ptr, b, d, t, n, g))
+
+
+# --- the bf16 precision recipe ---------------------------------------------------------------------
+
+
+def as_dtype(s: _Scratch, a: DeviceArray | None, dtype: str) -> DeviceArray | None:
+    """``a`` as ``dtype`` (``float32`` or ``bfloat16``): itself, or a cast of it in scratch (float32 to
+    bfloat16 rounds to nearest even: the rounding of a ``lower`` op's input)."""
+    if a is None or a.dtype == dtype:
+        return a
+    t = s.array(a.shape, dtype)
+    cast(a, out=[t])
+    return t
+
+
+def round_bf16(s: _Scratch, a: DeviceArray, into: DeviceArray | None = None) -> DeviceArray:
+    """float32 ``a`` rounded to bfloat16 values, kept as float32 (in ``into``, else in scratch)."""
+    b = s.array(a.shape, "bfloat16")
+    cast(a, out=[b])
+    f = into if into is not None else s.array(a.shape)
+    cast(b, out=[f])
+    return f
+
+
+def _bf16_outputs(s: _Scratch, outs: Sequence[DeviceArray | None],
+                  dtypes: Sequence[str]) -> tuple[list[DeviceArray | None], Callable[[], None]]:
+    """Outputs of the kernel's ``dtypes`` for the slots ``outs`` (scratch where the slot's dtype differs),
+    and the function that stores them into their slots afterwards."""
+    ys = [None if o is None else o if o.dtype == d else s.array(o.shape, d)
+          for o, d in zip(outs, dtypes, strict=True)]
+
+    def store() -> None:
+        for o, y in zip(outs, ys, strict=True):
+            if o is not None and y is not None and y is not o:
+                cast(y, out=[o])
+
+    return ys, store
+
+
+def flash_attention_bf16(qkv: DeviceArray, segment_ids: DeviceArray | None = None, *,
+                         out: Sequence[DeviceArray | None], **attrs: Any) -> None:
+    """``flash_attention`` under the bf16 recipe (``flash_attention@cuda:bfloat16``): ``qkv`` read as
+    bf16 (rounded when its slot is float32), the tiled kernel of :func:`flash_attention_mma` on tensor
+    cores where the device has them (sm_80+), else its SIMT twin (the emulator), ``out`` in bf16 and
+    ``lse`` in fp32, stored in their slots' dtypes."""
+    with _Scratch(qkv.device) as s:
+        q = as_dtype(s, qkv, "bfloat16")
+        ys, store = _bf16_outputs(s, out, ("bfloat16", "float32"))
+        flash_attention_mma(q, segment_ids, out=ys, tensor_cores=tensor_cores_available(qkv.device), **attrs)
+        store()
+
+
+def flash_attention_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray, o: DeviceArray,
+                                  lse: DeviceArray, d_lse: DeviceArray | None = None,
+                                  segment_ids: DeviceArray | None = None, *,
+                                  out: Sequence[DeviceArray | None], **attrs: Any) -> None:
+    """Its backward: ``d_out``, ``qkv`` and ``o`` read as bf16, ``lse`` and ``d_lse`` as fp32, ``d_qkv``
+    in bf16 (the gradient of a bf16 tensor) stored in its slot's dtype."""
+    with _Scratch(qkv.device) as s:
+        args = [as_dtype(s, a, "bfloat16") for a in (d_out, qkv, o)]
+        lse32, dlse32 = as_dtype(s, lse, "float32"), as_dtype(s, d_lse, "float32")
+        ys, store = _bf16_outputs(s, out, ("bfloat16",))
+        flash_attention_mma_backward(*args, lse32, dlse32, segment_ids, out=ys,
+                                     tensor_cores=tensor_cores_available(qkv.device), **attrs)
+        store()
+
+
+def qkv_qk_norm_rope_bf16(qkv: DeviceArray, q_norm_weight: DeviceArray | None,
+                          k_norm_weight: DeviceArray | None, freqs: DeviceArray | None,
+                          position_ids: DeviceArray, *, out: Sequence[DeviceArray | None],
+                          **attrs: Any) -> None:
+    """``qkv_qk_norm_rope`` under the bf16 recipe with NumPy's ``qkv_qk_norm_rope@numpy:bfloat16``
+    rounding point: the normalised heads rounded to bf16 before their fp32 weight (``qk_norm_rp_bf16``),
+    then rope in fp32 (:func:`qkv_qk_norm_rope` without weights); ``out`` stored in its slot's dtype."""
+    hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
+    b, t = _heads(qkv, hq, hkv, d, "qkv_qk_norm_rope")
+    with _Scratch(qkv.device) as s:
+        x = as_dtype(s, qkv, "float32")
+        ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight)]
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        q_rstd, k_rstd = s.out(ys[1], (b, t, hq)), s.out(ys[2], (b, t, hkv))
+        normed = s.array(qkv.shape)
+        if b and t:
+            qkv.device.launch("qk_norm_rp_bf16", (hq + 2 * hkv, t, b), (32,),
+                              (x.ptr, _ptr(ws[0]), _ptr(ws[1]), normed.ptr, q_rstd.ptr, k_rstd.ptr, t, hq,
+                               hkv, d, attrs["eps"]))
+        rope_out = [ys[0], s.array((b, t, hq)), s.array((b, t, hkv))]
+        qkv_qk_norm_rope(normed, None, None, as_dtype(s, freqs, "float32"), position_ids, out=rope_out,
+                         **attrs)
+        store()
+
+
+def qkv_qk_norm_rope_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray,
+                                   q_norm_weight: DeviceArray | None, k_norm_weight: DeviceArray | None,
+                                   freqs: DeviceArray | None, position_ids: DeviceArray, q_rstd: DeviceArray,
+                                   k_rstd: DeviceArray, d_q_rstd: DeviceArray | None = None,
+                                   d_k_rstd: DeviceArray | None = None, *, out: Sequence[DeviceArray | None],
+                                   **attrs: Any) -> None:
+    """Its backward (NumPy's ``qkv_qk_norm_rope_backward@numpy:bfloat16``): rope's transpose in fp32 (the
+    fp32 kernel without weights), the weights' gradients against the bf16 normalised heads, the heads'
+    gradient rounded to bf16 through the norm in fp32, and ``d_qkv`` rounded to bf16."""
+    hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
+    b, t = _heads(qkv, hq, hkv, d, "qkv_qk_norm_rope_backward")
+    dev = qkv.device
+    with _Scratch(dev) as s:
+        x, dy = as_dtype(s, qkv, "float32"), as_dtype(s, d_out, "float32")
+        ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight)]
+        rs = [as_dtype(s, r, "float32") for r in (q_rstd, k_rstd, d_q_rstd, d_k_rstd)]
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        g = s.array(qkv.shape)
+        ones = [s.array(r.shape) for r in (q_rstd, k_rstd)]
+        for one in ones:
+            dev.launch("fill_f32", ew_grid(one.size), (THREADS,), (one.ptr, 1.0, one.size))
+        qkv_qk_norm_rope_backward(dy, x, None, None, as_dtype(s, freqs, "float32"), position_ids, *ones,
+                                  out=[g, None, None], **attrs)
+        if ys[1] is not None or ys[2] is not None:
+            for w, dw in zip(ws, ys[1:], strict=True):
+                if w is None and dw is not None:  # no norm: its weight has no gradient
+                    dev.launch("fill_f32", ew_grid(dw.size), (THREADS,), (dw.ptr, 0.0, dw.size))
+            dws = [dw if w is not None else None for w, dw in zip(ws, ys[1:], strict=True)]
+            dev.launch("qk_norm_backward_dw_rp_bf16", (cdiv(d, 32), 2), (32,),
+                       (g.ptr, x.ptr, rs[0].ptr, rs[1].ptr, _ptr(dws[0]), _ptr(dws[1]), b, t, hq, hkv, d))
+        d_qkv = s.out(ys[0], qkv.shape)
+        if b and t:
+            dev.launch("qk_norm_backward_rp_bf16", (hq + 2 * hkv, t, b), (32,),
+                       (g.ptr, x.ptr, _ptr(ws[0]), _ptr(ws[1]), rs[0].ptr, rs[1].ptr, _ptr(rs[2]),
+                        _ptr(rs[3]), d_qkv.ptr, t, hq, hkv, d))
+        store()
+
+
+def _logits_bf16(s: _Scratch, xb: DeviceArray, wb: DeviceArray, softcap: float | None) -> DeviceArray:
+    """One tile's logits under the bf16 recipe: bf16 x w^T (fp32 accumulate) rounded to bf16, then capped
+    in fp32 (NumPy's ``_head_logits``)."""
+    z = s.array((xb.shape[0], wb.shape[0]))
+    matmul(xb, wb, out=(z,), transpose="NT")
+    round_bf16(s, z, into=z)
+    if softcap is not None:
+        z.device.launch("softcap_f32", ew_grid(z.size), (THREADS,), (z.ptr, z.size, softcap))
+    return z
+
+
+def fused_lm_head_loss_bf16(x: DeviceArray, weight: DeviceArray, targets: DeviceArray, *,
+                            out: Sequence[DeviceArray | None], ignore_index: int, chunk_size: int = 0,
+                            softcap: float | None = None) -> None:
+    """``fused_lm_head_loss`` under the bf16 recipe (NumPy's ``fused_lm_head_loss@numpy:bfloat16``): x and
+    the weight as bf16, each tile's logits rounded to bf16, the loss and log-sum-exp over them in fp32. One
+    tile of logits lives at a time, as in :func:`fused_lm_head_loss`."""
+    n, v = x.shape[0], weight.shape[0]
+    with _Scratch(x.device) as s:
+        xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
+        ys, store = _bf16_outputs(s, out, ("float32", "float32"))
+        loss, lse = s.out(ys[0], (n,)), s.out(ys[1], (n,))
+        for r0, r1 in _head_tiles(n, v):
+            with _Scratch(x.device) as tile:
+                z = _logits_bf16(tile, _rows_of(xb, r0, r1), wb, softcap)
+                cross_entropy(z, _rows_of(targets, r0, r1),
+                              out=(_rows_of(loss, r0, r1), _rows_of(lse, r0, r1)), ignore_index=ignore_index)
+        store()
+
+
+def fused_lm_head_loss_backward_bf16(d_loss: DeviceArray | None, x: DeviceArray, weight: DeviceArray,
+                                     targets: DeviceArray, lse: DeviceArray, d_lse: DeviceArray | None = None,
+                                     *, out: Sequence[DeviceArray | None], ignore_index: int,
+                                     chunk_size: int = 0, softcap: float | None = None) -> None:
+    """Its backward: per tile, the logits again, their gradient in fp32 rounded to bf16 (the gradient of a
+    bf16 tensor), ``d_x = g w`` on bf16 operands rounded to bf16; ``d_weight = g^T x`` summed over the tiles
+    in fp32 and rounded once at the end (NumPy's one product over all rows, up to the fp32 order)."""
+    n, v = x.shape[0], weight.shape[0]
+    dev = x.device
+    with _Scratch(dev) as s:
+        xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
+        dl, l32, dlse = (as_dtype(s, a, "float32") for a in (d_loss, lse, d_lse))
+        ys, store = _bf16_outputs(s, out, ("float32", "float32"))
+        d_x, d_w = ys
+        for i, (r0, r1) in enumerate(_head_tiles(n, v)):
+            with _Scratch(dev) as tile:
+                xr = _rows_of(xb, r0, r1)
+                z, g = _logits_bf16(tile, xr, wb, softcap), tile.array((r1 - r0, v))
+                assert l32 is not None
+                cross_entropy_backward(None if dl is None else _rows_of(dl, r0, r1), z,
+                                       _rows_of(targets, r0, r1), _rows_of(l32, r0, r1),
+                                       None if dlse is None else _rows_of(dlse, r0, r1), out=(g,),
+                                       ignore_index=ignore_index)
+                if softcap is not None:
+                    dev.launch("softcap_backward_f32", ew_grid(g.size), (THREADS,),
+                               (g.ptr, z.ptr, g.size, softcap))
+                gb = as_dtype(tile, g, "bfloat16")
+                assert gb is not None
+                if d_x is not None:
+                    dx = _rows_of(d_x, r0, r1)
+                    matmul(gb, wb, out=(dx,))
+                    round_bf16(tile, dx, into=dx)
+                if d_w is not None:
+                    matmul(gb, xr, d_w if i else None, out=(d_w,), transpose="TN")
+        if d_w is not None:
+            if not n:
+                dev.memset(d_w.ptr, 0, d_w.nbytes)
+            round_bf16(s, d_w, into=d_w)
+        store()
+
+
+#: kernels of the bf16 recipe that read and write their slots' dtypes themselves (the backend runs every
+#: other kernel on float32 copies of bf16 tensors, rounding where the recipe says)
+BF16_KERNELS: dict[str, Callable[..., None]] = {
+    "flash_attention": flash_attention_bf16,
+    "flash_attention_backward": flash_attention_backward_bf16,
+    "swiglu": swiglu_bf16,
+    "swiglu_backward": swiglu_backward_bf16,
+    "qkv_qk_norm_rope": qkv_qk_norm_rope_bf16,
+    "qkv_qk_norm_rope_backward": qkv_qk_norm_rope_backward_bf16,
+    "fused_lm_head_loss": fused_lm_head_loss_bf16,
+    "fused_lm_head_loss_backward": fused_lm_head_loss_backward_bf16,
+}
+#: ops whose kernels take bf16 operands (the backend hands a ``lower`` step of them its float inputs as
+#: bf16, rounded where they are float32, instead of float32 copies of bf16 values): cuBLASLt's bf16 GEMM
+#: on a GPU, ``matmul_bf16`` elsewhere
+BF16_OPERANDS = frozenset({"matmul", "batched_matmul"})
 
 
 def _rope_geometry(qkv: DeviceArray, position_ids: DeviceArray, D: int, rotary_dim: int | None,
@@ -504,7 +1228,7 @@ def _rope_geometry(qkv: DeviceArray, position_ids: DeviceArray, D: int, rotary_d
 def qkv_qk_norm_rope(qkv: DeviceArray, q_norm_weight: DeviceArray | None, k_norm_weight: DeviceArray | None,
                      freqs: DeviceArray | None, position_ids: DeviceArray, *,
                      out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int, eps: float, theta: float,
-                     rotary_dim: int | None) -> None:
+                     rotary_dim: int | None, interleaved: bool = False) -> None:
     op = "qkv_qk_norm_rope"
     _f32(qkv, q_norm_weight, k_norm_weight, freqs)
     b, t = _heads(qkv, Hq, Hkv, D, op)
@@ -515,7 +1239,7 @@ def qkv_qk_norm_rope(qkv: DeviceArray, q_norm_weight: DeviceArray | None, k_norm
             qkv.device.launch("qkv_norm_rope_f32", (Hq + 2 * Hkv, t, b), (32,),
                               (qkv.ptr, _ptr(q_norm_weight), _ptr(k_norm_weight), _ptr(freqs),
                                position_ids.ptr, o.ptr, q_rstd.ptr, k_rstd.ptr, t, Hq, Hkv, D, rd, batched,
-                               eps, theta))
+                               eps, theta, int(interleaved)))
 
 
 def qkv_qk_norm_rope_backward(d_qkv_out: DeviceArray | None, qkv: DeviceArray,
@@ -524,7 +1248,7 @@ def qkv_qk_norm_rope_backward(d_qkv_out: DeviceArray | None, qkv: DeviceArray,
                               position_ids: DeviceArray, q_rstd: DeviceArray, k_rstd: DeviceArray,
                               d_q_rstd: DeviceArray | None = None, d_k_rstd: DeviceArray | None = None, *,
                               out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int, eps: float,
-                              theta: float, rotary_dim: int | None) -> None:
+                              theta: float, rotary_dim: int | None, interleaved: bool = False) -> None:
     """The norm weights' gradients (column kernel), then d_qkv (row kernel)."""
     op = "qkv_qk_norm_rope_backward"
     _f32(d_qkv_out, qkv, q_norm_weight, k_norm_weight, freqs, q_rstd, k_rstd, d_q_rstd, d_k_rstd)
@@ -537,14 +1261,248 @@ def qkv_qk_norm_rope_backward(d_qkv_out: DeviceArray | None, qkv: DeviceArray,
         d_qkv = s.out(d_qkv, qkv.shape)
         if d_qw is not None or d_kw is not None:
             qkv.device.launch("qkv_norm_rope_backward_dw_f32", (cdiv(D, 32), 2), (32,),
-                              (*weights, _ptr(d_qw), _ptr(d_kw), b, t, Hq, Hkv, D, rd, batched, theta))
+                              (*weights, _ptr(d_qw), _ptr(d_kw), b, t, Hq, Hkv, D, rd, batched, theta,
+                               int(interleaved)))
         if b and t:
             qkv.device.launch("qkv_norm_rope_backward_dx_f32", (Hq + 2 * Hkv, t, b), (32,),
                               (*weights, _ptr(d_q_rstd), _ptr(d_k_rstd), d_qkv.ptr, t, Hq, Hkv, D, rd,
-                               batched, theta))
+                               batched, theta, int(interleaved)))
+
+
+# --- mixture of experts (moe.cu) ------------------------------------------------------------------
+
+
+def moe_softmax(logits: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    softmax(logits, out=out, axis=-1)
+
+
+def moe_softmax_backward(d: DeviceArray, probs: DeviceArray, *, out: Sequence[DeviceArray],
+                         dtype: Any = None) -> None:
+    softmax_backward(d, probs, out=out, axis=-1)
+
+
+def moe_sigmoid(logits: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    _f32(logits)
+    logits.device.launch("moe_sigmoid_f32", ew_grid(logits.size), (THREADS,),
+                         (logits.ptr, out[0].ptr, logits.size))
+
+
+def moe_sigmoid_backward(d: DeviceArray, probs: DeviceArray, *, out: Sequence[DeviceArray],
+                         dtype: Any = None) -> None:
+    _f32(d, probs)
+    d.device.launch("moe_sigmoid_backward_f32", ew_grid(d.size), (THREADS,),
+                    (d.ptr, probs.ptr, out[0].ptr, d.size))
+
+
+def moe_topk(probs: DeviceArray, *, out: Sequence[DeviceArray | None], k: int, normalize: bool) -> None:
+    _f32(probs)
+    n, e = probs.shape
+    if not 1 <= k <= e:
+        raise KilnError(f"op 'moe_topk': k = {k} is not in 1..{e} (the number of experts)")
+    with _Scratch(probs.device) as s:
+        w, idx = s.out(out[0], (n, k)), s.out(out[1], (n, k), "int32")
+        if n:
+            probs.device.launch("moe_topk_f32", (cdiv(n, THREADS),), (THREADS,),
+                                (probs.ptr, w.ptr, idx.ptr, n, e, k, int(normalize)))
+
+
+def moe_topk_backward(d: DeviceArray, probs: DeviceArray, indices: DeviceArray, *, out: Sequence[DeviceArray],
+                      normalize: bool) -> None:
+    _f32(d, probs)
+    _i32(indices, "expert indices")
+    (n, e), k = probs.shape, d.shape[1]
+    if n:
+        d.device.launch("moe_topk_backward_f32", (cdiv(n, THREADS),), (THREADS,),
+                        (d.ptr, probs.ptr, indices.ptr, out[0].ptr, n, e, k, int(normalize)))
+
+
+def moe_permute(x: DeviceArray, indices: DeviceArray, *, out: Sequence[DeviceArray | None],
+                num_experts: int) -> None:
+    """The routing kernel (offsets, scatter_idx: a stable sort by expert), then the row gather. Expert
+    indices outside 0..num_experts-1 are in no expert (the NumPy kernel raises; this one cannot look)."""
+    _f32(x)
+    _i32(indices, "expert indices")
+    (n, c), k = x.shape, indices.shape[1]
+    dev, r = x.device, n * k
+    with _Scratch(dev) as s:
+        x_perm, scatter = s.out(out[0], (r, c)), s.out(out[1], (r,), "int32")
+        offsets = s.out(out[2], (num_experts + 1,), "int32")
+        dev.launch("moe_route_f32", (1,), (THREADS,), (indices.ptr, scatter.ptr, offsets.ptr, r, num_experts))
+        if r * c:
+            dev.launch("moe_gather_rows_f32", ew_grid(r * c), (THREADS,),
+                       (x.ptr, scatter.ptr, x_perm.ptr, r, c, k))
+
+
+def _combine(y: DeviceArray, weights: DeviceArray | None, scatter_idx: DeviceArray, out: DeviceArray,
+             n: int, k: int) -> None:
+    """out[t] = sum over slots j of w[t, j] y[row of (t, j)]: the inverse permutation, then the rows."""
+    _i32(scatter_idx, "scatter_idx")
+    dev, r, c = y.device, y.shape[0], y.shape[1]
+    if r != n * k:
+        raise KilnError(f"moe rows on cuda: {r} rows of y_perm for {n} tokens x {k} slots")
+    with _Scratch(dev) as s:
+        row_of = s.array((max(r, 1),), "int32")
+        if r:
+            dev.launch("moe_invert_f32", ew_grid(r), (THREADS,), (scatter_idx.ptr, row_of.ptr, r))
+        if n * c:
+            dev.launch("moe_combine_rows_f32", ew_grid(n * c), (THREADS,),
+                       (y.ptr, _ptr(weights), row_of.ptr, out.ptr, n, c, k))
+
+
+def moe_permute_backward(d: DeviceArray, scatter_idx: DeviceArray, *, out: Sequence[DeviceArray],
+                         num_tokens: int) -> None:
+    _f32(d)
+    k = d.shape[0] // num_tokens if num_tokens else 1
+    _combine(d, None, scatter_idx, out[0], num_tokens, k)
+
+
+def moe_unpermute(y: DeviceArray, weights: DeviceArray, scatter_idx: DeviceArray, *,
+                  out: Sequence[DeviceArray], top_k: int | None = None) -> None:
+    _f32(y, weights)
+    n, k = weights.shape
+    if top_k is not None and top_k != k:
+        raise KilnError(f"op 'moe_unpermute': weights' last dim {k} is not top_k = {top_k}")
+    _combine(y, weights, scatter_idx, out[0], n, k)
+
+
+def moe_unpermute_dy(d: DeviceArray, weights: DeviceArray, scatter_idx: DeviceArray, *,
+                     out: Sequence[DeviceArray]) -> None:
+    _f32(d, weights)
+    _i32(scatter_idx, "scatter_idx")
+    r, c, k = scatter_idx.shape[0], d.shape[1], weights.shape[1]
+    if r * c:
+        d.device.launch("moe_unpermute_dy_f32", ew_grid(r * c), (THREADS,),
+                        (d.ptr, weights.ptr, scatter_idx.ptr, out[0].ptr, r, c, k))
+
+
+def moe_unpermute_dw(d: DeviceArray, y: DeviceArray, scatter_idx: DeviceArray, *, out: Sequence[DeviceArray],
+                     top_k: int) -> None:
+    _f32(d, y)
+    _i32(scatter_idx, "scatter_idx")
+    dw, r = out[0], y.shape[0]
+    d.device.memset(dw.ptr, 0, dw.nbytes)
+    if r:
+        d.device.launch("moe_unpermute_dw_f32", (r,), (32,),
+                        (d.ptr, y.ptr, scatter_idx.ptr, dw.ptr, y.shape[1], top_k))
+
+
+def moe_load_stats(probs: DeviceArray, indices: DeviceArray, segment_ids: DeviceArray | None = None, *,
+                   out: Sequence[DeviceArray | None]) -> None:
+    """A block per expert: its assignments and summed probabilities over the rows that count."""
+    _f32(probs)
+    _i32(indices, "expert indices")
+    n, e = probs.shape
+    with _Scratch(probs.device) as s:
+        load, mean = s.out(out[0], (e,)), s.out(out[1], (e,))
+        if e:
+            probs.device.launch("moe_load_stats_f32", (e,), (THREADS,),
+                                (probs.ptr, indices.ptr, _ptr(segment_ids), load.ptr, mean.ptr, n, e,
+                                 indices.shape[-1]))
+
+
+def moe_load_stats_backward(d_mean: DeviceArray, probs: DeviceArray,
+                            segment_ids: DeviceArray | None = None, *, out: Sequence[DeviceArray]) -> None:
+    _f32(d_mean, probs)
+    n, e = probs.shape
+    probs.device.launch("moe_load_stats_backward_f32", (1,), (THREADS,),
+                        (d_mean.ptr, _ptr(segment_ids), out[0].ptr, n, e))
+
+
+def moe_aux_loss(loss: DeviceArray, targets: DeviceArray, load: DeviceArray, mean_probs: DeviceArray, *,
+                 out: Sequence[DeviceArray | None], coef: float, num_layers: int, ignore_index: int) -> None:
+    """One block: the auxiliary loss (a fixed-order sum over the experts), added to the counted tokens."""
+    _f32(loss, load, mean_probs)
+    _i32(targets, "targets")
+    if num_layers < 1:
+        raise KilnError(f"op 'moe_aux_loss': num_layers must be >= 1, found {num_layers}")
+    with _Scratch(loss.device) as s:
+        loss_out, aux = s.out(out[0], loss.shape), s.out(out[1], ())
+        loss.device.launch("moe_aux_loss_f32", (1,), (THREADS,),
+                           (loss.ptr, targets.ptr, load.ptr, mean_probs.ptr, loss_out.ptr, aux.ptr, loss.size,
+                            load.size, coef, num_layers, ignore_index))
+
+
+def moe_aux_loss_backward(d_loss: DeviceArray | None, d_aux: DeviceArray | None, targets: DeviceArray,
+                          load: DeviceArray, *, out: Sequence[DeviceArray], coef: float, num_layers: int,
+                          ignore_index: int) -> None:
+    _f32(d_loss, d_aux, load)
+    load.device.launch("moe_aux_loss_backward_f32", (1,), (THREADS,),
+                       (_ptr(d_loss), _ptr(d_aux), targets.ptr, load.ptr, out[0].ptr, targets.size, load.size,
+                        coef, num_layers, ignore_index))
+
+
+def _expert_rows(offsets: DeviceArray) -> list[tuple[int, int]]:
+    """Each expert's rows [r0, r1), read from the device (a synchronisation: the cuBLASLt path needs the
+    row counts on the host to size its GEMMs)."""
+    offsets.device.synchronize()
+    host = offsets.device.copy_to_host(offsets.ptr, offsets.nbytes).view(np.int32)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(host)]
+
+
+def _grouped(x: DeviceArray, w: DeviceArray, offsets: DeviceArray, out: DeviceArray, nt: bool,
+             op: str) -> None:
+    """out [R, O] = x [R, I] rows of expert e times w[e]: [O, I] transposed (nt) or [I, O]."""
+    _f32(x, w)
+    _i32(offsets, "expert offsets")
+    (r, i), e = x.shape, w.shape[0]
+    o = w.shape[1] if nt else w.shape[2]
+    if (w.shape[2] if nt else w.shape[1]) != i or offsets.shape != (e + 1,):
+        raise KilnError(f"op {op!r} on cuda: x {x.shape}, weight {w.shape} and offsets {offsets.shape} do "
+                        "not fit together")
+    if getattr(x.device, "blas", None) is not None:
+        for ex, (r0, r1) in enumerate(_expert_rows(offsets)):  # one cuBLASLt GEMM per expert
+            weight = _rows_of(w, ex, ex + 1).reshape(w.shape[1:])
+            matmul(_rows_of(x, r0, r1), weight, out=(_rows_of(out, r0, r1),), transpose="NT" if nt else "NN")
+        return
+    if r and o:
+        x.device.launch("grouped_gemm_f32", (cdiv(o, MATMUL_TILE), cdiv(r, MATMUL_TILE)),
+                        (MATMUL_TILE, MATMUL_TILE), (x.ptr, w.ptr, offsets.ptr, out.ptr, r, e, o, i, int(nt)))
+
+
+def grouped_gemm(x: DeviceArray, w: DeviceArray, offsets: DeviceArray, *, out: Sequence[DeviceArray],
+                 transpose: str = "NT") -> None:
+    _grouped(x, w, offsets, out[0], transpose == "NT", "grouped_gemm")
+
+
+def _moe_gemm(op: str, nt: bool) -> Callable[..., None]:
+    def fn(x: DeviceArray, w: DeviceArray, offsets: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+        _grouped(x, w, offsets, out[0], nt, op)
+
+    return fn
+
+
+def moe_grouped_gemm_dw(d: DeviceArray, x: DeviceArray, offsets: DeviceArray, *,
+                        out: Sequence[DeviceArray]) -> None:
+    _f32(d, x)
+    _i32(offsets, "expert offsets")
+    e, o, i = offsets.shape[0] - 1, d.shape[1], x.shape[1]
+    if getattr(d.device, "blas", None) is not None:
+        dw = out[0]
+        for ex, (r0, r1) in enumerate(_expert_rows(offsets)):
+            target = _rows_of(dw, ex, ex + 1).reshape(dw.shape[1:])
+            if r1 > r0:
+                matmul(_rows_of(d, r0, r1), _rows_of(x, r0, r1), out=(target,), transpose="TN")
+            else:
+                d.device.memset(target.ptr, 0, target.nbytes)
+        return
+    if e and o and i:
+        d.device.launch("grouped_gemm_dw_f32", (cdiv(i, MATMUL_TILE), cdiv(o, MATMUL_TILE), e),
+                        (MATMUL_TILE, MATMUL_TILE), (d.ptr, x.ptr, offsets.ptr, out[0].ptr, o, i))
 
 
 # --- optimizer ------------------------------------------------------------------------------------
+
+
+def _norm_into(s: _Scratch, grads: Sequence[DeviceArray], total: int) -> None:
+    """Launches the global L2 norm of ``grads`` into the float at device address ``total``."""
+    dev = grads[0].device
+    partial = s.array((len(grads) * NORM_BLOCKS,))
+    dev.memset(partial.ptr, 0, partial.nbytes)
+    for i, g in enumerate(grads):
+        blocks = max(1, min(NORM_BLOCKS, cdiv(g.size, THREADS)))  # the rest of its partials stay 0
+        dev.launch("sumsq_partial_f32", (blocks,), (THREADS,),
+                   (g.ptr, g.size, partial.ptr + 4 * i * NORM_BLOCKS))
+    dev.launch("sqrt_sum_f32", (1,), (THREADS,), (partial.ptr, len(grads) * NORM_BLOCKS, total))
 
 
 def grad_norm(*grads: DeviceArray) -> float:
@@ -554,16 +1512,43 @@ def grad_norm(*grads: DeviceArray) -> float:
         return 0.0
     dev = grads[0].device
     with _Scratch(dev) as s:
-        partial = s.array((len(grads) * NORM_BLOCKS + 1,))
-        dev.memset(partial.ptr, 0, partial.nbytes)
-        for i, g in enumerate(grads):
-            blocks = max(1, min(NORM_BLOCKS, cdiv(g.size, THREADS)))  # the rest of its partials stay 0
-            dev.launch("sumsq_partial_f32", (blocks,), (THREADS,),
-                       (g.ptr, g.size, partial.ptr + 4 * i * NORM_BLOCKS))
-        total = partial.ptr + 4 * len(grads) * NORM_BLOCKS
-        dev.launch("sqrt_sum_f32", (1,), (THREADS,), (partial.ptr, len(grads) * NORM_BLOCKS, total))
+        total = s.array((1,))
+        _norm_into(s, grads, total.ptr)
         dev.synchronize()
-        return float(dev.copy_to_host(total, 4).view(np.float32)[0])
+        return float(dev.copy_to_host(total.ptr, 4).view(np.float32)[0])
+
+
+#: the optimizer phase's scalars on the device (optimizer.cu): the gradient norm, the clipping factor, the
+#: learning rate, then three factors per AdamW group
+SCALARS = 3
+
+
+def grad_norm_on_device(scalars: DeviceArray, grads: Sequence[DeviceArray]) -> None:
+    """The global norm of ``grads`` into ``scalars[0]`` and the clipping factor into ``scalars[1]`` (from
+    the threshold :func:`step_scalars` put there), on the device: nothing read back, a graph can hold it."""
+    _f32(*grads)
+    dev = scalars.device
+    with _Scratch(dev) as s:
+        if grads:
+            _norm_into(s, grads, scalars.ptr)
+        else:
+            dev.memset(scalars.ptr, 0, 4)
+        dev.launch("clip_scale_f32", (1,), (1,), (scalars.ptr,))
+
+
+def step_scalars(optimizer: Any, step: int, groups: Sequence[Mapping[str, Any]], *, clip: bool) -> np.ndarray:
+    """The host's part of the device scalars for update ``step``: norm 0; the clipping threshold (-1: none)
+    when ``clip`` (a :func:`grad_norm_on_device` turns it into the factor), else the factor 1; the
+    scheduled learning rate; each AdamW group's factors in float64 as :func:`adamw_update` computes them,
+    rounded once to float32."""
+    lr = optimizer.lr_at(step) if optimizer is not None else 0.0
+    max_norm = getattr(optimizer, "max_grad_norm", None)
+    out = [0.0, (-1.0 if max_norm is None else max_norm) if clip else 1.0, lr]
+    for g in groups:
+        lr_g = lr * g["lr_scale"]
+        decay = 1 - lr_g * g["weight_decay"] if g["weight_decay"] else 1.0
+        out += [lr_g / (1 - g["beta1"] ** step), 1 / math.sqrt(1 - g["beta2"] ** step), decay]
+    return np.array(out, np.float32)
 
 
 def adamw_update(p: DeviceArray, g: DeviceArray, m: DeviceArray, v: DeviceArray,
@@ -577,6 +1562,43 @@ def adamw_update(p: DeviceArray, g: DeviceArray, m: DeviceArray, v: DeviceArray,
     p.device.launch("adamw_f32", ew_grid(p.size), (THREADS,),
                     (p.ptr, g.ptr, m.ptr, v.ptr, p.size, beta1, beta2, scale * (1 - beta1),
                      (1 - beta2) * scale * scale, 1 / math.sqrt(bc2), eps, lr / bc1, decay))
+
+
+class AdamwGroup:
+    """``adamw_update`` of many parameters with the same attributes in one launch (``adamw_multi_f32``):
+    their pointer table and element offsets go to the device once, when the group is made."""
+
+    def __init__(self, updates: Sequence[Sequence[DeviceArray]]) -> None:
+        for p, g, m, v, *_ in updates:
+            _f32(p, g, m, v)
+        self.device = updates[0][0].device
+        ptrs = np.array([[a.ptr for a in u[:4]] for u in updates], np.uint64)
+        offsets = np.concatenate([[0], np.cumsum([u[0].size for u in updates])]).astype(np.int64)
+        self.k, self.total = len(updates), int(offsets[-1])
+        self.table = self.device.alloc(ptrs.nbytes + offsets.nbytes)
+        self.device.copy_to_device(self.table, ptrs)
+        self.device.copy_to_device(self.table + ptrs.nbytes, offsets)
+        self.offsets = self.table + ptrs.nbytes
+        weakref.finalize(self, self.device.free, self.table)
+
+    def on_device(self, scalars: DeviceArray, slot: int, *, beta1: float, beta2: float, eps: float,
+                  **_: Any) -> None:
+        """The update with its factors read from the device scalars (:func:`step_scalars`, the clipping
+        factor from :func:`grad_norm_on_device`): launch arguments that do not change from step to step."""
+        if self.total:
+            self.device.launch("adamw_multi_dev_f32", ew_grid(self.total), (THREADS,),
+                               (self.table, self.offsets, self.k, scalars.ptr, slot, beta1, beta2, 1 - beta1,
+                                1 - beta2, eps))
+
+    def __call__(self, *, step: int, lr: float, scale: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, lr_scale: float) -> None:
+        lr = lr * lr_scale
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+        decay = 1 - lr * weight_decay if weight_decay else 1.0
+        if self.total:
+            self.device.launch("adamw_multi_f32", ew_grid(self.total), (THREADS,),
+                               (self.table, self.offsets, self.k, beta1, beta2, scale * (1 - beta1),
+                                (1 - beta2) * scale * scale, 1 / math.sqrt(bc2), eps, lr / bc1, decay))
 
 
 def sgd_update(p: DeviceArray, g: DeviceArray, *rest: DeviceArray, step: int, lr: float, scale: float,
@@ -597,6 +1619,9 @@ KERNELS: dict[str, tuple[Callable[..., Any], frozenset[int]]] = {
     "ones": (_fill(1.0), frozenset()),
     "fill": (fill, frozenset()),
     "zeros_like": (zeros_like, frozenset()),
+    "copy": (copy, frozenset()),
+    "cast": (cast_op, frozenset()),
+    "dropout": (dropout, frozenset({0})),
     "scale": (scale, frozenset({0})),
     "add": (_binary("add_f32", "add"), frozenset({0})),
     "bias_add": (_binary("add_f32", "bias_add"), frozenset({0})),
@@ -615,6 +1640,8 @@ KERNELS: dict[str, tuple[Callable[..., Any], frozenset[int]]] = {
     "softmax_backward": (softmax_backward, frozenset()),
     "rmsnorm": (rmsnorm, frozenset()),
     "rmsnorm_backward": (rmsnorm_backward, frozenset()),
+    "layernorm": (layernorm, frozenset()),
+    "layernorm_backward": (layernorm_backward, frozenset()),
     "fused_residual_rmsnorm": (fused_residual_rmsnorm, frozenset({0, 1})),
     "fused_residual_rmsnorm_backward": (fused_residual_rmsnorm_backward, frozenset()),
     "cross_entropy": (cross_entropy, frozenset()),
@@ -622,14 +1649,41 @@ KERNELS: dict[str, tuple[Callable[..., Any], frozenset[int]]] = {
     "embedding": (embedding, frozenset()),
     "embedding_backward": (embedding_backward, frozenset()),
     "rope": (rope, frozenset()),
+    "rope_freqs": (rope_freqs, frozenset()),
+    "mamba_conv1d": (mamba_conv1d, frozenset()),
+    "mamba_conv1d_backward": (mamba_conv1d_backward, frozenset()),
+    "mamba_selective_scan": (mamba_selective_scan, frozenset()),
+    "mamba_selective_scan_backward": (mamba_selective_scan_backward, frozenset()),
     "matmul": (matmul, frozenset()),
     "fused_lm_head_loss": (fused_lm_head_loss, frozenset()),
     "fused_lm_head_loss_backward": (fused_lm_head_loss_backward, frozenset()),
     "flash_attention": (flash_attention, frozenset()),
     "flash_attention_backward": (flash_attention_backward, frozenset()),
+    "attention": (attention, frozenset()),
+    "attention_backward": (attention_backward, frozenset()),
     "qkv_qk_norm_rope": (qkv_qk_norm_rope, frozenset()),
     "qkv_qk_norm_rope_backward": (qkv_qk_norm_rope_backward, frozenset()),
     "batched_matmul": (matmul, frozenset()),
+    "moe_softmax": (moe_softmax, frozenset()),
+    "moe_softmax_backward": (moe_softmax_backward, frozenset()),
+    "moe_sigmoid": (moe_sigmoid, frozenset()),
+    "moe_sigmoid_backward": (moe_sigmoid_backward, frozenset()),
+    "moe_topk": (moe_topk, frozenset()),
+    "moe_topk_backward": (moe_topk_backward, frozenset()),
+    "moe_load_stats": (moe_load_stats, frozenset()),
+    "moe_load_stats_backward": (moe_load_stats_backward, frozenset()),
+    "moe_aux_loss": (moe_aux_loss, frozenset({0})),
+    "moe_aux_loss_backward": (moe_aux_loss_backward, frozenset()),
+    "moe_permute": (moe_permute, frozenset()),
+    "moe_permute_backward": (moe_permute_backward, frozenset()),
+    "moe_unpermute": (moe_unpermute, frozenset()),
+    "moe_unpermute_dy": (moe_unpermute_dy, frozenset()),
+    "moe_unpermute_dw": (moe_unpermute_dw, frozenset()),
+    "grouped_gemm": (grouped_gemm, frozenset()),
+    "moe_grouped_gemm_gate_up": (_moe_gemm("moe_grouped_gemm_gate_up", True), frozenset()),
+    "moe_grouped_gemm_down": (_moe_gemm("moe_grouped_gemm_down", True), frozenset()),
+    "moe_grouped_gemm_dx": (_moe_gemm("moe_grouped_gemm_dx", False), frozenset()),
+    "moe_grouped_gemm_dw": (moe_grouped_gemm_dw, frozenset()),
     "grad_norm": (grad_norm, frozenset()),
     "adamw_update": (adamw_update, frozenset()),
     "sgd_update": (sgd_update, frozenset()),

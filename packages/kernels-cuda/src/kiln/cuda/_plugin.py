@@ -69,17 +69,35 @@ UPDATE_OPS = frozenset({"grad_norm", "adamw_update", "sgd_update"})
 
 def register_kernels(registry: Any, without: Iterable[str] = ()) -> None:
     """Put kiln's CUDA kernels (less those of the ops in ``without``) in the kernel table ``registry``."""
-    from kiln.cuda._ops import KERNELS
+    from kiln.cuda._ops import BF16_KERNELS, KERNELS
 
     skip = set(without)
     for op, (fn, inplace) in KERNELS.items():
         if op not in skip:
             registry.register_kernel(op, "cuda", "float32", fn, out=op not in UPDATE_OPS, inplace=inplace)
+            # the bf16 recipe: the same kernel on float32 copies of bf16 tensors (the backend rounds
+            # where the recipe says), or a kernel of its own that reads and writes bf16 (the ops whose
+            # rounding points lie inside them, and attention on tensor cores)
+            registry.register_kernel(op, "cuda", "bfloat16", BF16_KERNELS.get(op, fn),
+                                     out=op not in UPDATE_OPS, inplace=() if op in BF16_KERNELS else inplace)
 
 
 @hookimpl
 def kiln_register_kernels(registry: Any) -> None:
     register_kernels(registry)
+
+
+@hookimpl
+def kiln_step_time(program: Any, device: str) -> Any:
+    """``kiln plan --device h100``: the roofline of the Program on a GPU kiln knows (None for another
+    device), its matmuls on tensor cores in bf16 under the bf16 precision recipe, else in float32 on
+    CUDA cores, as kiln's kernels run them."""
+    from kiln.cuda._roofline import DEVICES, roofline
+
+    if device not in DEVICES:
+        return None
+    lowers = bool(getattr(getattr(program, "precision", None), "lowers", False))
+    return roofline(program, device, "bf16" if lowers else "fp32")
 
 
 def _configure_cuda(p: Any) -> None:

@@ -37,6 +37,7 @@ class Device:
 DEVICES = {
     "h100": Device("H100 SXM", 67e12, {"tf32": 494.7e12, "bf16": 989.4e12}, 3.35e12),
     "a100": Device("A100 SXM", 19.5e12, {"tf32": 156e12, "bf16": 312e12}, 2.039e12),
+    "h200": Device("H200 SXM", 67e12, {"tf32": 494.7e12, "bf16": 989.4e12}, 4.8e12),
 }
 MATMUL = ("fp32", "tf32", "bf16")
 #: FLOPs per byte above which an op is a matmul in disguise (elementwise ops do a few)

@@ -26,6 +26,8 @@ class KernelSpec:
     name: str
     file: str
     params: str
+    #: False for a kernel only a GPU runs (tensor-core instructions): compiled and layout-checked only
+    emulated: bool = True
 
     def layout(self) -> list[tuple[int, int]]:
         """(offset, size) of each parameter in the kernel's parameter block (C alignment rules)."""
@@ -39,29 +41,62 @@ class KernelSpec:
 
 
 def _specs(file: str, **kernels: str) -> dict[str, KernelSpec]:
-    return {name: KernelSpec(name, file, params.replace(" ", "")) for name, params in kernels.items()}
+    return {name: KernelSpec(name, file, params.replace(" ", ""), "_tc" not in name)
+            for name, params in kernels.items()}
+
+
+def _attention_mma() -> dict[str, KernelSpec]:
+    """The tiled bf16 attention kernels: tensor cores (``tc``) and their SIMT twins, head dims 64 and 128."""
+    out = {}
+    for variant in ("tc", "twin"):
+        for hd in (64, 128):
+            out |= _specs("attention_mma.cu", **{
+                f"flash_attention_{variant}{hd}_bf16": "pppp iiiiii ff i",
+                f"flash_attention_backward_dq_{variant}{hd}_bf16": "pppppppp iiiiii ff i",
+                f"flash_attention_backward_dkv_{variant}{hd}_bf16": "pppppp iiiiii ff i"})
+    return out
 
 
 SPECS: dict[str, KernelSpec] = {
     **_specs("elementwise.cu", fill_f32="pfq", scale_f32="ppfq", add_f32="pppqq", mul_f32="pppqq",
              silu_f32="ppq", silu_backward_f32="pppq", relu_f32="ppq", relu_backward_f32="pppq",
              gelu_f32="ppqi", gelu_backward_f32="pppqi", swiglu_f32="ppqq", swiglu_backward_f32="pppqq",
+             swiglu_rp_bf16="ppqq", swiglu_backward_rp_bf16="pppqq",
              silu_mul_f32="pppq", silu_mul_backward_f32="pppppq", softcap_f32="pqf",
-             softcap_backward_f32="ppqf"),
+             softcap_backward_f32="ppqf", cast_f32_bf16="ppq", cast_bf16_f32="ppq", dropout_f32="ppqqqqf",
+             copy_cols_f32="ppqiiiii"),
     **_specs("norms.cu", rmsnorm_f32="ppppif", fused_residual_rmsnorm_f32="ppppppif",
-             rmsnorm_backward_dx_f32="pppppppi", rmsnorm_backward_dw_f32="ppppqi"),
+             rmsnorm_backward_dx_f32="pppppppi", rmsnorm_backward_dw_f32="ppppqi",
+             layernorm_f32="ppppppif", layernorm_backward_dx_f32="ppppppppi",
+             layernorm_backward_dw_f32="ppppppqi"),
     **_specs("softmax.cu", softmax_f32="ppiq", softmax_backward_f32="pppiq"),
     **_specs("loss.cu", cross_entropy_f32="ppppii", cross_entropy_backward_f32="ppppppii"),
     **_specs("embedding.cu", embedding_f32="pppqi", embedding_backward_f32="pppqiiii"),
-    **_specs("rope.cu", rope_f32="ppppiiiiiifi"),
-    **_specs("optimizer.cu", adamw_f32="ppppqffffffff", sgd_f32="pppqfffiiff", sumsq_partial_f32="pqp",
-             sqrt_sum_f32="pqp"),
-    **_specs("matmul.cu", matmul_f32="ppppiiiiiqqqff"),
-    **_specs("attention.cu", flash_attention_f32="ppppiiiiiif",
-             flash_attention_backward_dq_f32="pppppppp iiiiiif",
-             flash_attention_backward_dkv_f32="pppppp iiiiiif",
-             qkv_norm_rope_f32="pppppppp iiiiii ff", qkv_norm_rope_backward_dx_f32="ppppppppppp iiiiii f",
-             qkv_norm_rope_backward_dw_f32="pppppppppp iiiiiii f"),
+    **_specs("rope.cu", rope_f32="ppppiiiiiifii", rope_freqs_f32="ppqif"),
+    **_specs("optimizer.cu", adamw_f32="ppppqffffffff", adamw_multi_f32="ppiffffffff", sgd_f32="pppqfffiiff",
+             sumsq_partial_f32="pqp", sqrt_sum_f32="pqp", clip_scale_f32="p",
+             adamw_multi_dev_f32="ppipiff fff"),
+    **_specs("matmul.cu", matmul_f32="ppppiiiiiqqqff", matmul_bf16="ppppiiiiiqqqff"),
+    **_specs("moe.cu", moe_sigmoid_f32="ppq", moe_sigmoid_backward_f32="pppq", moe_topk_f32="pppiiii",
+             moe_topk_backward_f32="ppppiiii", moe_route_f32="pppii", moe_gather_rows_f32="pppqii",
+             moe_invert_f32="ppq", moe_combine_rows_f32="ppppqii", moe_unpermute_dy_f32="ppppqii",
+             moe_unpermute_dw_f32="ppppii", grouped_gemm_f32="ppppiiiii", grouped_gemm_dw_f32="ppppii",
+             moe_load_stats_f32="pppppiii", moe_load_stats_backward_f32="pppii",
+             moe_aux_loss_f32="ppppppiifii", moe_aux_loss_backward_f32="pppppiifii"),
+    **_specs("attention.cu", flash_attention_f32="pppp iiiiii ff i",
+             flash_attention_backward_dq_f32="pppppppp iiiiii ff i",
+             flash_attention_backward_dkv_f32="pppppp iiiiii ff i",
+             qkv_norm_rope_f32="pppppppp iiiiii ff i", qkv_norm_rope_backward_dx_f32="ppppppppppp iiiiii f i",
+             qkv_norm_rope_backward_dw_f32="pppppppppp iiiiiii f i",
+             qk_norm_rp_bf16="pppppp iiii f", qk_norm_backward_rp_bf16="ppppppppp iiii",
+             qk_norm_backward_dw_rp_bf16="pppppp iiiii"),
+    **_specs("mamba.cu", mamba_conv1d_f32="pppppqiiii", mamba_conv1d_state_f32="pppqii",
+             mamba_conv1d_grad_f32="ppppppqiiii", mamba_conv1d_backward_dx_f32="pppppqiii",
+             mamba_conv1d_backward_dw_f32="pppppiiii",
+             mamba_scan_f32="ppppppppppp iiiiii",
+             mamba_scan_backward_f32="ppppppppppp ppppppppppp iiiiii",
+             mamba_sum_batch_f32="ppiq", mamba_sum_group_f32="ppiiiii"),
+    **_attention_mma(),
 }
 
 

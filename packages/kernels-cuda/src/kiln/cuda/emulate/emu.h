@@ -5,6 +5,7 @@
 // threads of its warp must arrive), in thread order: a missing barrier reads what other threads have not
 // written yet, and a barrier that cannot be reached by every thread is reported as a deadlock.
 #pragma once
+#define KILN_EMULATOR 1  // kernels leave out what only a GPU runs (tensor-core instructions)
 #include <math.h>
 
 #include <algorithm>
@@ -161,16 +162,41 @@ using std::min;
 
 inline void __syncthreads() { emu::wait(emu::AT_BLOCK_BARRIER); }
 
-template <class T>
-T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+namespace emu {
+// A warp shuffle: every live lane of the warp publishes v, then reads lane `source(own lane)`'s.
+template <class T, class F>
+T shuffle(T v, F source) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "shuffles move at most 8 bytes");
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    emu::exchange[emu::current->linear] = bits;
-    emu::wait(emu::AT_WARP_BARRIER);
-    bits = emu::exchange[emu::current->linear ^ (unsigned)lane_mask];
-    emu::wait(emu::AT_WARP_BARRIER);
+    exchange[current->linear] = bits;
+    wait(AT_WARP_BARRIER);
+    bits = exchange[(current->linear & ~31u) | (source(current->linear % 32) & 31u)];
+    wait(AT_WARP_BARRIER);
     T out;
     std::memcpy(&out, &bits, sizeof(T));
     return out;
+}
+}  // namespace emu
+
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+    return emu::shuffle(v, [=](unsigned lane) { return lane ^ (unsigned)lane_mask; });
+}
+
+template <class T>
+T __shfl_sync(unsigned, T v, int src_lane) {
+    return emu::shuffle(v, [=](unsigned) { return (unsigned)src_lane; });
+}
+
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
 }

@@ -2,9 +2,10 @@
 // flash_attention_backward, qkv_qk_norm_rope and its backward): the SIMT variant. One warp (32 threads)
 // per row: lane l holds dims l, l + 32, ... (D <= 32 * PER_LANE); dot products are warp sums. Query head h
 // reads kv head h / (Hq / Hkv) (GQA). Key j is visible from query i when causal => j <= i, a window w > 0
-// => i - w < j (and j < i + w when not causal), and segment ids (when given) are equal.
+// => i - w < j (and j < i + w when not causal), and segment ids (when given) are equal. Scores are scaled,
+// then capped (softcap > 0) and biased by ALiBi (alibi != 0), as attention's reference does.
 // Sums run over keys (and, for dk and dv, over queries) in index order: deterministic, no atomics.
-#include "common.cuh"
+#include "bf16.cuh"
 #include "rope.cuh"
 
 constexpr int PER_LANE = 8;
@@ -13,6 +14,17 @@ __device__ __forceinline__ bool visible(int i, int j, int causal, int window, co
     if (causal && j > i) return false;
     if (window > 0 && (j <= i - window || (!causal && j >= i + window))) return false;
     return !seg || seg[b * T + i] == seg[b * T + j];
+}
+
+// The logit of query i and key j from the scaled score s: capped (c tanh(s / c), when softcap > 0), then
+// ALiBi's bias (-slope |i - j|); *th = tanh(s / c) for the cap's derivative 1 - th^2.
+__device__ __forceinline__ float logit(float s, float softcap, float slope, int i, int j, float* th) {
+    *th = 0.0f;
+    if (softcap > 0.0f) {
+        *th = tanhf(s / softcap);
+        s = softcap * *th;
+    }
+    return s - slope * fabsf((float)(i - j));
 }
 
 __device__ __forceinline__ float row_dot(const float* a, const float* b, int D) {
@@ -25,8 +37,10 @@ __device__ __forceinline__ float row_dot(const float* a, const float* b, int D) 
 // lse[b, h, i] = log-sum-exp of the scores (+inf, and out = 0, for a row that sees no key).
 // Grid (T, Hq, B), 32 threads.
 extern "C" __global__ void flash_attention_f32(const float* qkv, const int* seg, float* out, float* lse, int T,
-                                               int Hq, int Hkv, int D, int causal, int window, float scale) {
+                                               int Hq, int Hkv, int D, int causal, int window, float scale,
+                                               float softcap, int alibi) {
     int i = blockIdx.x, h = blockIdx.y;
+    float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
     int g = h / (Hq / Hkv);
     const float* q = qkv + (b * T + i) * F + (long long)h * D;
@@ -38,7 +52,7 @@ extern "C" __global__ void flash_attention_f32(const float* qkv, const int* seg,
         if (!visible(i, j, causal, window, seg, b, T)) continue;
         const float* k = qkv + (b * T + j) * F + (long long)(Hq + g) * D;
         const float* v = qkv + (b * T + j) * F + (long long)(Hq + Hkv + g) * D;
-        float s = row_dot(q, k, D) * scale;
+        float s = logit(row_dot(q, k, D) * scale, softcap, slope, i, j, &th);
         float m_new = fmaxf(m, s);
         float alpha = expf(m - m_new), p = expf(s - m_new);
         total = total * alpha + p;
@@ -64,8 +78,10 @@ extern "C" __global__ void flash_attention_f32(const float* qkv, const int* seg,
 extern "C" __global__ void flash_attention_backward_dq_f32(const float* d_out, const float* qkv, const float* out,
                                                            const float* lse, const float* d_lse, const int* seg,
                                                            float* d_qkv, float* shift, int T, int Hq, int Hkv,
-                                                           int D, int causal, int window, float scale) {
+                                                           int D, int causal, int window, float scale,
+                                                           float softcap, int alibi) {
     int i = blockIdx.x, h = blockIdx.y;
+    float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D, row = (b * Hq + h) * T + i;
     int g = h / (Hq / Hkv);
     const float* q = qkv + (b * T + i) * F + (long long)h * D;
@@ -79,9 +95,9 @@ extern "C" __global__ void flash_attention_backward_dq_f32(const float* d_out, c
     for (int j = 0; j < T; ++j) {
         if (!visible(i, j, causal, window, seg, b, T)) continue;
         const float* k = qkv + (b * T + j) * F + (long long)(Hq + g) * D;
-        float p = expf(row_dot(q, k, D) * scale - l);
+        float p = expf(logit(row_dot(q, k, D) * scale, softcap, slope, i, j, &th) - l);
         float dp = dO ? row_dot(dO, qkv + (b * T + j) * F + (long long)(Hq + Hkv + g) * D, D) : 0.0f;
-        float ds = p * (dp + sh);
+        float ds = p * (dp + sh) * (1.0f - th * th);
 #pragma unroll
         for (int u = 0; u < PER_LANE; ++u) {
             int d = threadIdx.x + 32 * u;
@@ -102,7 +118,7 @@ extern "C" __global__ void flash_attention_backward_dq_f32(const float* d_out, c
 extern "C" __global__ void flash_attention_backward_dkv_f32(const float* d_out, const float* qkv, const float* lse,
                                                             const float* shift, const int* seg, float* d_qkv,
                                                             int T, int Hq, int Hkv, int D, int causal,
-                                                            int window, float scale) {
+                                                            int window, float scale, float softcap, int alibi) {
     int j = blockIdx.x, g = blockIdx.y, rep = Hq / Hkv;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
     const float* k = qkv + (b * T + j) * F + (long long)(Hq + g) * D;
@@ -111,14 +127,15 @@ extern "C" __global__ void flash_attention_backward_dkv_f32(const float* d_out, 
 #pragma unroll
     for (int u = 0; u < PER_LANE; ++u) dk[u] = dv[u] = 0.0f;
     for (int h = g * rep; h < (g + 1) * rep; ++h) {
+        float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
         for (int i = 0; i < T; ++i) {
             if (!visible(i, j, causal, window, seg, b, T)) continue;
             long long row = (b * Hq + h) * T + i;
             const float* q = qkv + (b * T + i) * F + (long long)h * D;
             const float* dO = d_out ? d_out + (b * T + i) * Hq * D + (long long)h * D : nullptr;
-            float p = expf(row_dot(q, k, D) * scale - lse[row]);
+            float p = expf(logit(row_dot(q, k, D) * scale, softcap, slope, i, j, &th) - lse[row]);
             float dp = dO ? row_dot(dO, v, D) : 0.0f;
-            float ds = p * (dp + shift[row]) * scale;
+            float ds = p * (dp + shift[row]) * (1.0f - th * th) * scale;
 #pragma unroll
             for (int u = 0; u < PER_LANE; ++u) {
                 int d = threadIdx.x + 32 * u;
@@ -143,12 +160,14 @@ extern "C" __global__ void flash_attention_backward_dkv_f32(const float* d_out, 
 
 // qkv_qk_norm_rope: each q and k head of packed qkv becomes rope(x * rstd * weight) with
 // rstd = 1 / sqrt(mean(x^2) + eps) over the head (rstd = 1 and no norm where the weight is null); v heads
-// are copied. Pairs (d, d + half) rotate, half = rotary_dim / 2; dims past rotary_dim keep x * rstd * w.
+// are copied. Pairs (d, d + half) rotate, half = rotary_dim / 2 ((2d, 2d + 1) when interleaved); dims past
+// rotary_dim keep x * rstd * w.
 // Grid (Hq + 2 Hkv, T, B), 32 threads; out is not qkv's storage (lanes read their partner's dim).
 extern "C" __global__ void qkv_norm_rope_f32(const float* qkv, const float* q_weight, const float* k_weight,
                                              const float* freqs, const int* position_ids, float* out,
                                              float* q_rstd, float* k_rstd, int T, int Hq, int Hkv, int D,
-                                             int rotary_dim, int pos_batched, float eps, float theta) {
+                                             int rotary_dim, int pos_batched, float eps, float theta,
+                                             int interleaved) {
     int hd = blockIdx.x, t = blockIdx.y, half = rotary_dim / 2;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
     const float* x = qkv + (b * T + t) * F + (long long)hd * D;
@@ -164,10 +183,12 @@ extern "C" __global__ void qkv_norm_rope_f32(const float* qkv, const float* q_we
     for (int d = threadIdx.x; d < D; d += 32) {
         float y;
         if (d < 2 * half) {
-            int k = d < half ? d : d - half, p = d < half ? d + half : d - half;
+            int k;
+            bool first;
+            int p = rope_partner(d, half, interleaved, &k, &first);
             float c, s;
             rope_cos_sin(freqs, pos, k, half, rotary_dim, theta, &c, &s);
-            y = x[d] * c * (w ? w[d] : 1.0f) + x[p] * (d < half ? -s : s) * (w ? w[p] : 1.0f);
+            y = x[d] * c * (w ? w[d] : 1.0f) + x[p] * (first ? -s : s) * (w ? w[p] : 1.0f);
         } else {
             y = x[d] * (w ? w[d] : 1.0f);
         }
@@ -181,11 +202,14 @@ extern "C" __global__ void qkv_norm_rope_f32(const float* qkv, const float* q_we
 
 // The gradient at dim d of a head before its rotation: the inverse rotation of dy.
 __device__ __forceinline__ float unrotate(const float* dy, int d, int half, const float* freqs, int pos,
-                                          int rotary_dim, float theta) {
+                                          int rotary_dim, float theta, int interleaved) {
     if (d >= 2 * half) return dy[d];
+    int k;
+    bool first;
+    int p = rope_partner(d, half, interleaved, &k, &first);
     float c, s;
-    rope_cos_sin(freqs, pos, d < half ? d : d - half, half, rotary_dim, theta, &c, &s);
-    return d < half ? dy[d] * c + dy[d + half] * s : dy[d] * c - dy[d - half] * s;
+    rope_cos_sin(freqs, pos, k, half, rotary_dim, theta, &c, &s);
+    return first ? dy[d] * c + dy[p] * s : dy[d] * c - dy[p] * s;
 }
 
 // qkv_qk_norm_rope_backward, d_qkv: g = the inverse rotation of d_out; with a norm weight w,
@@ -197,7 +221,8 @@ extern "C" __global__ void qkv_norm_rope_backward_dx_f32(const float* d_out, con
                                                          const float* q_rstd, const float* k_rstd,
                                                          const float* d_q_rstd, const float* d_k_rstd,
                                                          float* d_qkv, int T, int Hq, int Hkv, int D,
-                                                         int rotary_dim, int pos_batched, float theta) {
+                                                         int rotary_dim, int pos_batched, float theta,
+                                                         int interleaved) {
     int hd = blockIdx.x, t = blockIdx.y, half = rotary_dim / 2;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
     const float* x = qkv + (b * T + t) * F + (long long)hd * D;
@@ -216,12 +241,12 @@ extern "C" __global__ void qkv_norm_rope_backward_dx_f32(const float* d_out, con
     float dot = 0.0f;
     if (w && dy) {
         for (int d = threadIdx.x; d < D; d += 32)
-            dot += unrotate(dy, d, half, freqs, pos, rotary_dim, theta) * w[d] * (x[d] * r);
+            dot += unrotate(dy, d, half, freqs, pos, rotary_dim, theta, interleaved) * w[d] * (x[d] * r);
         dot = warp_sum(dot) / D;
     }
     float dr = (w && d_rstd) ? d_rstd[stat] * r * r * r / D : 0.0f;
     for (int d = threadIdx.x; d < D; d += 32) {
-        float g = dy ? unrotate(dy, d, half, freqs, pos, rotary_dim, theta) : 0.0f;
+        float g = dy ? unrotate(dy, d, half, freqs, pos, rotary_dim, theta, interleaved) : 0.0f;
         dx[d] = w ? r * (g * w[d] - (x[d] * r) * dot) - dr * x[d] : g;
     }
 }
@@ -235,7 +260,7 @@ extern "C" __global__ void qkv_norm_rope_backward_dw_f32(const float* d_out, con
                                                          const float* q_rstd, const float* k_rstd,
                                                          float* d_q_weight, float* d_k_weight, int B, int T,
                                                          int Hq, int Hkv, int D, int rotary_dim, int pos_batched,
-                                                         float theta) {
+                                                         float theta, int interleaved) {
     int d = blockIdx.x * 32 + threadIdx.x, half = rotary_dim / 2;
     bool is_q = blockIdx.y == 0;
     float* dw = is_q ? d_q_weight : d_k_weight;
@@ -252,9 +277,82 @@ extern "C" __global__ void qkv_norm_rope_backward_dw_f32(const float* d_out, con
         int pos = position_ids[pos_batched ? bt : bt % T];
         for (int h = 0; h < heads; ++h) {
             long long base = bt * F + (long long)(first + h) * D;
-            float g = unrotate(d_out + base, d, half, freqs, pos, rotary_dim, theta);
+            float g = unrotate(d_out + base, d, half, freqs, pos, rotary_dim, theta, interleaved);
             acc += g * (qkv[base + d] * rstd[bt * heads + h]);
         }
     }
+    dw[d] = acc;
+}
+
+// qkv_qk_norm_rope under the bf16 recipe, its norm (NumPy's qkv_qk_norm_rope_bf16): each q and k head with a
+// weight becomes bf16(x rstd) w (HF's RMSNorm: hidden_states.to(input_dtype) before the fp32 weight), rstd
+// stored; other heads are copied (rstd 1). Rope then runs on the result (qkv_norm_rope_f32, no weights).
+// Grid (Hq + 2 Hkv, T, B), 32 threads.
+extern "C" __global__ void qk_norm_rp_bf16(const float* qkv, const float* q_weight, const float* k_weight,
+                                           float* normed, float* q_rstd, float* k_rstd, int T, int Hq, int Hkv,
+                                           int D, float eps) {
+    int hd = blockIdx.x, t = blockIdx.y;
+    long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
+    const float* x = qkv + (b * T + t) * F + (long long)hd * D;
+    float* o = normed + (b * T + t) * F + (long long)hd * D;
+    const float* w = hd < Hq ? q_weight : hd < Hq + Hkv ? k_weight : nullptr;
+    float r = w ? 1.0f / sqrtf(row_dot(x, x, D) / D + eps) : 1.0f;
+    for (int d = threadIdx.x; d < D; d += 32) o[d] = w ? round_bf16(x[d] * r) * w[d] : x[d];
+    if (threadIdx.x == 0 && hd < Hq) q_rstd[(b * T + t) * Hq + hd] = r;
+    if (threadIdx.x == 0 && hd >= Hq && hd < Hq + Hkv) k_rstd[(b * T + t) * Hkv + hd - Hq] = r;
+}
+
+// Its backward through the norm (qkv_qk_norm_rope_backward_bf16), after rope's transpose: g is the
+// unrotated gradient [B, T, F]. A q or k head with a weight: d_u = bf16(g w), u = x rstd,
+// d_x = rstd (d_u - u mean(d_u u)) - d_rstd rstd^3 x / D; other heads pass g; every d_x rounded to bf16
+// (the projections are bf16). d_qkv may be g's storage: each lane writes only the dims it read.
+// Grid (Hq + 2 Hkv, T, B), 32 threads.
+extern "C" __global__ void qk_norm_backward_rp_bf16(const float* g_all, const float* qkv, const float* q_weight,
+                                                    const float* k_weight, const float* q_rstd,
+                                                    const float* k_rstd, const float* d_q_rstd,
+                                                    const float* d_k_rstd, float* d_qkv, int T, int Hq, int Hkv,
+                                                    int D) {
+    int hd = blockIdx.x, t = blockIdx.y;
+    long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D, at = (b * T + t) * F + (long long)hd * D;
+    bool is_q = hd < Hq, is_k = !is_q && hd < Hq + Hkv;
+    const float* w = is_q ? q_weight : is_k ? k_weight : nullptr;
+    const float *x = qkv + at, *g = g_all + at;
+    float* dx = d_qkv + at;
+    if (!w) {
+        for (int d = threadIdx.x; d < D; d += 32) dx[d] = round_bf16(g[d]);
+        return;
+    }
+    long long stat = is_q ? (b * T + t) * Hq + hd : (b * T + t) * Hkv + hd - Hq;
+    float r = (is_q ? q_rstd : k_rstd)[stat];
+    const float* d_rstd = is_q ? d_q_rstd : d_k_rstd;
+    float du[PER_LANE], dot = 0.0f;
+    for (int u = 0, d = threadIdx.x; d < D; ++u, d += 32) {
+        du[u] = round_bf16(g[d] * w[d]);
+        dot += du[u] * (x[d] * r);
+    }
+    dot = warp_sum(dot) / D;
+    float dr = d_rstd ? d_rstd[stat] * r * r * r / D : 0.0f;
+    for (int u = 0, d = threadIdx.x; d < D; ++u, d += 32)
+        dx[d] = round_bf16(r * (du[u] - (x[d] * r) * dot) - dr * x[d]);
+}
+
+// The norm weights' gradients under the bf16 recipe: d_w[d] = sum over rows of g_d bf16(x_d rstd), g the
+// unrotated gradient; q heads (blockIdx.y = 0) and k heads (1), rows in order. Grid (cdiv(D, 32), 2).
+extern "C" __global__ void qk_norm_backward_dw_rp_bf16(const float* g_all, const float* qkv, const float* q_rstd,
+                                                       const float* k_rstd, float* d_q_weight, float* d_k_weight,
+                                                       int B, int T, int Hq, int Hkv, int D) {
+    int d = blockIdx.x * 32 + threadIdx.x;
+    bool is_q = blockIdx.y == 0;
+    float* dw = is_q ? d_q_weight : d_k_weight;
+    if (d >= D || !dw) return;
+    int heads = is_q ? Hq : Hkv, first = is_q ? 0 : Hq;
+    const float* rstd = is_q ? q_rstd : k_rstd;
+    long long F = (long long)(Hq + 2 * Hkv) * D;
+    float acc = 0.0f;
+    for (long long bt = 0; bt < (long long)B * T; ++bt)
+        for (int h = 0; h < heads; ++h) {
+            long long at = bt * F + (long long)(first + h) * D + d;
+            acc += g_all[at] * round_bf16(qkv[at] * rstd[bt * heads + h]);
+        }
     dw[d] = acc;
 }

@@ -53,3 +53,11 @@ __device__ __forceinline__ long long grid_stride() {
 __device__ __forceinline__ float sigmoidf(float x) {
     return 1.0f / (1.0f + expf(-x));
 }
+
+// ALiBi's slope of head h of n (kiln.core's alibi_slopes): 2^(-8 (h + 1) / p) for the power of two p <= n, the
+// remaining heads every other slope of 2p heads.
+__device__ __forceinline__ float alibi_slope(int h, int heads) {
+    int p = 1;
+    while (2 * p <= heads) p *= 2;
+    return h < p ? exp2f(-8.0f * (h + 1) / p) : exp2f(-4.0f * (2 * (h - p) + 1) / p);
+}

@@ -1,6 +1,6 @@
 // Elementwise ops and activations (kiln.core ops/library/_elementwise.py): one thread per element in a
 // grid-stride loop; launch geometry: 256 threads, min(cdiv(n, 256), 4096) blocks (kiln.cuda._ops.ew_grid).
-#include "common.cuh"
+#include "bf16.cuh"
 
 // fill / zeros / ones: out = value
 extern "C" __global__ void fill_f32(float* out, float value, long long n) {
@@ -91,6 +91,33 @@ extern "C" __global__ void swiglu_backward_f32(const float* d, const float* x, f
     }
 }
 
+// swiglu under the bf16 recipe (NumPy's swiglu_bf16): silu in fp32 rounded to bf16, then the product
+// rounded. sigmoid = (1 + tanh(g / 2)) / 2 as NumPy's emulation writes it; mul_rn keeps the GPU from
+// contracting a product into an fma the emulation does not have.
+extern "C" __global__ void swiglu_rp_bf16(const float* x, float* out, long long rows, long long m) {
+    for (long long i = first_index(); i < rows * m; i += grid_stride()) {
+        long long r = i / m, j = i % m;
+        float g = x[r * 2 * m + j], u = x[r * 2 * m + m + j];
+        float sig = mul_rn(0.5f, 1.0f + tanhf(mul_rn(0.5f, g)));
+        out[i] = round_bf16(mul_rn(round_bf16(mul_rn(g, sig)), u));
+    }
+}
+
+// its backward (swiglu_backward_bf16): d_s = bf16(d * up), d_gate = bf16(d_s * silu'(gate)),
+// d_up = bf16(d * bf16(silu(gate))); reads its pair before writing, so d_x may be x's storage
+extern "C" __global__ void swiglu_backward_rp_bf16(const float* d, const float* x, float* d_x, long long rows,
+                                                   long long m) {
+    for (long long i = first_index(); i < rows * m; i += grid_stride()) {
+        long long r = i / m, j = i % m;
+        float g = x[r * 2 * m + j], u = x[r * 2 * m + m + j];
+        float sig = mul_rn(0.5f, 1.0f + tanhf(mul_rn(0.5f, g)));
+        float d_s = round_bf16(mul_rn(d[i], u));
+        float grad = mul_rn(sig, 1.0f + mul_rn(g, 1.0f - sig));
+        d_x[r * 2 * m + j] = round_bf16(mul_rn(d_s, grad));
+        d_x[r * 2 * m + m + j] = round_bf16(mul_rn(d[i], round_bf16(mul_rn(g, sig))));
+    }
+}
+
 // silu_mul: out = silu(gate) * up
 extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out, long long n) {
     for (long long i = first_index(); i < n; i += grid_stride()) out[i] = gate[i] * sigmoidf(gate[i]) * up[i];
@@ -116,5 +143,46 @@ extern "C" __global__ void softcap_backward_f32(float* g, const float* capped, l
     for (long long i = first_index(); i < n; i += grid_stride()) {
         float t = capped[i] / cap;
         g[i] *= 1.0f - t * t;
+    }
+}
+
+// Casts of the bf16 precision recipe: float32 to bf16 rounded to nearest, ties to even (ml_dtypes' and
+// PyTorch's astype; NaN stays NaN, overflow goes to inf), and bf16 to float32 (exact).
+extern "C" __global__ void cast_f32_bf16(const float* x, bf16* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = f32_to_bf16(x[i]);
+}
+
+extern "C" __global__ void cast_bf16_f32(const bf16* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = bf16_to_f32(x[i]);
+}
+
+// dropout (kiln.core ops/library/_elementwise.py): element j keeps x * scale when the uniform of counter
+// offset + j is >= p: bits = splitmix64(key + (counter + 1) * GAMMA), key = splitmix64(seed) (hashed on the
+// host), uniform = (bits >> 11) * 2^-53, so keep iff (bits >> 11) >= threshold = ceil(p * 2^53) (exact).
+// scale = float32(1 / (1 - p)). Grid-stride; out may be x's storage.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void dropout_f32(const float* x, float* out, long long n, long long key, long long offset,
+                                       long long threshold, float scale) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        unsigned long long c = (unsigned long long)offset + (unsigned long long)i;
+        unsigned long long bits = mix64((unsigned long long)key + (c + 1ull) * 0x9E3779B97F4A7C15ull);
+        out[i] = (long long)(bits >> 11) >= threshold ? x[i] * scale : 0.0f;
+    }
+}
+
+// copy_cols: dst[r, dst_off + c] = src[r, src_off + c] for c < cols (rows of any strides): packs separate
+// q, k, v into the packed layout of the flash-attention kernels, and their gradients back. Grid-stride.
+extern "C" __global__ void copy_cols_f32(const float* src, float* dst, long long rows, int cols, int src_stride,
+                                         int src_off, int dst_stride, int dst_off) {
+    long long n = rows * cols;
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        long long r = i / cols;
+        int c = (int)(i % cols);
+        dst[r * dst_stride + dst_off + c] = src[r * src_stride + src_off + c];
     }
 }

@@ -1,16 +1,22 @@
 // Matrix products (kiln.core ops/library/_linalg.py matmul, batched_matmul): a SIMT tiled kernel, the
-// portable first version (cuBLASLt through nvmath-python is the planned fast path).
+// portable first version (cuBLASLt through nvmath-python is the fast path). matmul_bf16 is the same kernel on
+// bf16 A and B (the bf16 precision recipe): each product of two bf16 values is exact in fp32, summed in fp32.
 // out[b] = alpha * op(A[b]) op(B[b]) + beta * acc[b]; op(A) is [M, K] (A stored [M, K], or [K, M] when
 // trans_a), op(B) is [K, N] (B stored [K, N], or [N, K] when trans_b); acc may be null or out itself.
 // Geometry: TILE x TILE threads per block, grid (cdiv(N, TILE), cdiv(M, TILE), batch); each block stages a
 // TILE x TILE tile of op(A) and op(B) in shared memory per step of K.
 #include "common.cuh"
+#include "bf16.cuh"
 
 constexpr int TILE = 16;
 
-extern "C" __global__ void matmul_f32(const float* A, const float* B, const float* acc, float* out, int M, int N,
-                                      int K, int trans_a, int trans_b, long long stride_a, long long stride_b,
-                                      long long stride_out, float alpha, float beta) {
+__device__ __forceinline__ float load(float x) { return x; }
+__device__ __forceinline__ float load(bf16 x) { return bf16_to_f32(x); }
+
+template <typename T>
+__device__ __forceinline__ void matmul_tile(const T* A, const T* B, const float* acc, float* out, int M, int N,
+                                            int K, int trans_a, int trans_b, long long stride_a, long long stride_b,
+                                            long long stride_out, float alpha, float beta) {
     __shared__ float As[TILE][TILE + 1];
     __shared__ float Bs[TILE][TILE + 1];
     int tx = threadIdx.x, ty = threadIdx.y;
@@ -22,8 +28,8 @@ extern "C" __global__ void matmul_f32(const float* A, const float* B, const floa
     float sum = 0.0f;
     for (int k0 = 0; k0 < K; k0 += TILE) {
         int ka = k0 + tx, kb = k0 + ty;
-        As[ty][tx] = (row < M && ka < K) ? (trans_a ? A[(long long)ka * M + row] : A[(long long)row * K + ka]) : 0.0f;
-        Bs[ty][tx] = (kb < K && col < N) ? (trans_b ? B[(long long)col * K + kb] : B[(long long)kb * N + col]) : 0.0f;
+        As[ty][tx] = (row < M && ka < K) ? load(trans_a ? A[(long long)ka * M + row] : A[(long long)row * K + ka]) : 0.0f;
+        Bs[ty][tx] = (kb < K && col < N) ? load(trans_b ? B[(long long)col * K + kb] : B[(long long)kb * N + col]) : 0.0f;
         __syncthreads();
         for (int k = 0; k < TILE; ++k) sum += As[ty][k] * Bs[k][tx];
         __syncthreads();
@@ -34,4 +40,16 @@ extern "C" __global__ void matmul_f32(const float* A, const float* B, const floa
         if (acc) r += beta * acc[i];
         out[i] = r;
     }
+}
+
+extern "C" __global__ void matmul_f32(const float* A, const float* B, const float* acc, float* out, int M, int N,
+                                      int K, int trans_a, int trans_b, long long stride_a, long long stride_b,
+                                      long long stride_out, float alpha, float beta) {
+    matmul_tile(A, B, acc, out, M, N, K, trans_a, trans_b, stride_a, stride_b, stride_out, alpha, beta);
+}
+
+extern "C" __global__ void matmul_bf16(const bf16* A, const bf16* B, const float* acc, float* out, int M, int N,
+                                       int K, int trans_a, int trans_b, long long stride_a, long long stride_b,
+                                       long long stride_out, float alpha, float beta) {
+    matmul_tile(A, B, acc, out, M, N, K, trans_a, trans_b, stride_a, stride_b, stride_out, alpha, beta);
 }

@@ -66,3 +66,67 @@ extern "C" __global__ void rmsnorm_backward_dw_f32(const float* d_y, const float
     for (long long row = 0; row < rows; ++row) acc += d_y[row * C + c] * (x[row * C + c] * rstd[row]);
     d_weight[c] = acc;
 }
+
+// layernorm (same file of kiln.core): mean over the last dim, rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+// (the biased variance, two passes), y = (x - mean) * rstd * weight (+ bias). bias may be null.
+extern "C" __global__ void layernorm_f32(const float* x, const float* weight, const float* bias, float* y,
+                                         float* mean, float* rstd, int C, float eps) {
+    long long row = blockIdx.x;
+    const float* xr = x + row * C;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += xr[c];
+    float mu = block_sum(s) / C, ss = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) ss += (xr[c] - mu) * (xr[c] - mu);
+    float r = 1.0f / sqrtf(block_sum(ss) / C + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float v = ((xr[c] - mu) * r) * weight[c];
+        y[row * C + c] = bias ? v + bias[c] : v;
+    }
+    if (threadIdx.x == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// layernorm_backward, d_x of one row: g = d_y * weight, xhat = (x - mean) * rstd,
+// d_x = rstd * (g - mean(g) - xhat * mean(g * xhat)) + d_mean / C - d_rstd * rstd^3 * (x - mean) / C.
+// d_y, d_mean and d_rstd may be null; each element is read before it is written (d_x may be d_y's storage).
+extern "C" __global__ void layernorm_backward_dx_f32(const float* d_y, const float* x, const float* mean,
+                                                     const float* rstd, const float* weight, const float* d_mean,
+                                                     const float* d_rstd, float* d_x, int C) {
+    long long row = blockIdx.x;
+    float r = rstd[row], mu = mean[row], sg = 0.0f, sgx = 0.0f;
+    if (d_y) {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float g = d_y[row * C + c] * weight[c];
+            sg += g;
+            sgx += g * ((x[row * C + c] - mu) * r);
+        }
+        sg = block_sum(sg) / C;
+        sgx = block_sum(sgx) / C;
+    }
+    float dm = d_mean ? d_mean[row] / C : 0.0f, dr = d_rstd ? d_rstd[row] * r * r * r / C : 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        long long i = row * C + c;
+        float xc = x[i] - mu, g = 0.0f;
+        if (d_y) g = r * (d_y[i] * weight[c] - sg - (xc * r) * sgx);
+        d_x[i] = g + dm - dr * xc;
+    }
+}
+
+// layernorm_backward, d_weight and d_bias: one thread per column summing the rows in order (before the
+// d_x kernel, which may take over d_y's storage). d_bias may be null.
+extern "C" __global__ void layernorm_backward_dw_f32(const float* d_y, const float* x, const float* mean,
+                                                     const float* rstd, float* d_weight, float* d_bias,
+                                                     long long rows, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float aw = 0.0f, ab = 0.0f;
+    for (long long row = 0; row < rows; ++row) {
+        float g = d_y[row * C + c];
+        aw += g * ((x[row * C + c] - mean[row]) * rstd[row]);
+        ab += g;
+    }
+    d_weight[c] = aw;
+    if (d_bias) d_bias[c] = ab;
+}

@@ -14,3 +14,16 @@ __device__ __forceinline__ void rope_cos_sin(const float* freqs, int pos, int k,
         *s = sinf(angle);
     }
 }
+
+// The partner of dim d (< 2 half) in its rotary pair, and the pair's index k: pairs are (k, k + half), or
+// (2k, 2k + 1) when interleaved (GPT-J's layout); *first says whether d is the pair's first member.
+__device__ __forceinline__ int rope_partner(int d, int half, int interleaved, int* k, bool* first) {
+    if (interleaved) {
+        *k = d / 2;
+        *first = d % 2 == 0;
+        return *first ? d + 1 : d - 1;
+    }
+    *first = d < half;
+    *k = *first ? d : d - half;
+    return *first ? d + half : d - half;
+}
