@@ -1,0 +1,201 @@
+"""``@precision`` / ``@dtype`` honoured on the ``cuda`` backend (over the CPU emulator; a ``gpu`` twin on the
+device): a tiny model with one op's precision overridden trains as the NumPy backend's emulation of the
+same override (the oracle; kiln-dsl's ``test_annotations_precision.py`` checks that one against float64),
+and differently from the same model without the annotation, so the test fails if cuda ignored it.
+
+Where the override leaves the rounding points and the sums' order as NumPy's, the loss and gradients are
+the same bits; training sums fp32 values in other orders (the GEMM tiles against NumPy's BLAS), which moves
+a value by 1e-6 of its scale, and such a move can flip one bf16 rounding downstream: the trained weights
+and losses are compared to 1e-5 (the ``fp32`` recipe's bound in ``test_backend.py``), far below what the
+annotation changes (checked in each case)."""
+
+# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
+
+import numpy as np
+import pytest
+
+from kiln.core import Model, PluginSession, compile
+from kiln.cuda import EmulatedCuda, EmulatedDevice, _device
+
+pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes")
+dsl = pytest.importorskip("kiln.dsl", reason="the annotated model is written in kiln-dsl")
+from kiln.dsl import Array, B, Param, T, Tensor, block, build_bundle, forward, graph, model  # noqa: E402
+from kiln.dsl.annotations import dtype, precision  # noqa: E402
+
+V, C = 16, 8
+
+
+def lm(name: str, *h_ann: object) -> type:
+    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss; ``h_ann`` annotate
+    ``h = x @ w1^T``."""
+
+    class Up:
+        def __init__(self, d_model: int):
+            self.d_model = d_model
+
+        w1 = Param(Tensor["d_model", "d_model", "fp32"])
+        w2 = Param(Tensor["d_model", "d_model", "fp32"])
+
+        @forward
+        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
+            with graph() as g:
+                x_flat = g.view(x, shape=[B * T, "d_model"])
+                h = g.annotate(g.matmul(x_flat, "w1", transpose="NT"), *h_ann)
+                out = g.matmul(g.silu(h), "w2", transpose="NT")
+                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
+
+    Up.__name__ = Up.__qualname__ = f"{name}Block"
+
+    class PrecisionLM:
+        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 1):
+            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
+
+        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
+        head = Param(Tensor["vocab_size", "d_model", "fp32"])
+        blocks = Param(Array["n_layers", f"{name}Block"])
+
+        @forward
+        def forward(
+            self,
+            token_ids: Tensor["B", "T", "int32"],
+            position_ids: Tensor["T", "int32"],
+            targets: Tensor["B", "T", "int32"],
+        ) -> Tensor["B * T", "fp32"]:
+            with graph() as g:
+                x0 = g.embedding(token_ids, "embedding")
+                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
+                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "head", targets)
+
+    PrecisionLM.__name__ = PrecisionLM.__qualname__ = name
+    block(Up)
+    return model(PrecisionLM)
+
+
+CASES = {  # id: (recipe, annotations of h, h's compute under the override, whether h holds bf16)
+    "fp32-op-under-bf16": ("bf16", (precision(policy="fp32"),), "fp32", False),
+    "bf16-compute-fp32-output-under-bf16": ("bf16", (dtype("fp32"),), "bf16", False),
+    "bf16-op-under-fp32": ("fp32", (precision(compute="bf16"),), "bf16", True),
+    "bf16-compute-fp32-output-under-fp32": ("fp32", (precision(policy="bf16"), dtype("fp32")), "bf16", False),
+}
+
+
+def weights(m: Model, seed: int = 5) -> dict[str, np.ndarray]:
+    """Weights large enough that bf16 rounding shows in the loss."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(0, 0.7, v.shape).astype(np.float32) for k, v in m.parameters().items()}
+
+
+def batch() -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(1).integers(0, V, (2, 9))
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def train(m: Model, w: dict[str, np.ndarray], steps: int = 3) -> tuple[list[float], dict[str, np.ndarray]]:
+    m.set_parameters(w)
+    losses = [float(m.train_step(batch())["loss"]) for _ in range(steps)]
+    return losses, m.parameters()
+
+
+def gap(a: tuple[list[float], dict], b: tuple[list[float], dict]) -> float:
+    """The largest difference of two trainings' losses and trained weights."""
+    return max(max(abs(x - y) for x, y in zip(a[0], b[0], strict=True)),
+               max(float(np.abs(a[1][k] - b[1][k]).max()) for k in a[1]))
+
+
+#: how far cuda may train from NumPy: on the emulator, the fp32 sums' order (observed <= 5e-7); on a GPU,
+#: cuBLASLt's accumulation order too, which can flip a bf16 rounding (2^-8 relative) of an activation.
+#: Either way cuda must be at least 4x nearer the annotated NumPy run than the unannotated one (which
+#: differs by >= 4e-3 here)
+EMULATOR, GPU = 2e-6, 1e-3
+
+
+def _check(case: str, backend_models, tol: float, exact: bool) -> None:
+    recipe, anns, compute, h_low = CASES[case]
+    annotated = build_bundle(lm(f"Ann{case.replace('-', '')}", *anns), {})
+    plain = build_bundle(lm(f"Plain{case.replace('-', '')}"), {})
+    (ref, got), (ref_plain, got_plain) = backend_models(annotated, recipe), backend_models(plain, recipe)
+    w = weights(ref)
+
+    prog = got.program(2, 8)  # the cuda Program carries the override
+    assert prog.computes["blocks.0.h"] == compute
+    assert ("blocks.0.h" in prog.rounded) == h_low
+    assert prog.tensors["blocks.0.h"].dtype == ("bfloat16" if h_low else "float32")
+
+    for m in (got, ref):
+        m.set_parameters(w)
+    (loss, grads), (want_loss, want) = (m.loss_and_grads(batch()["input_ids"], batch()["labels"])
+                                        for m in (got, ref))
+    if exact:  # the same rounding points: the loss is NumPy's bits, and under bf16 every gradient too
+        assert loss == want_loss
+    assert loss == pytest.approx(want_loss, rel=tol)
+    for k in want:
+        scale = float(np.abs(want[k]).max())
+        if exact and recipe == "bf16":  # each gradient a bf16 value or a sum in NumPy's order
+            assert np.array_equal(grads[k], want[k]), k
+        assert np.abs(grads[k] - want[k]).max() <= tol * scale, k
+
+    have, expect = train(got, w), train(ref, w)
+    assert gap(have, expect) <= tol, (have[0], expect[0])
+    # the annotation is visible: the same model without it trains elsewhere, on both backends
+    without, without_ref = train(got_plain, w), train(ref_plain, w)
+    assert gap(without, without_ref) <= tol
+    assert gap(have, without) > max(4 * gap(have, expect), 1e-4), (have[0], without[0], expect[0])
+
+
+@pytest.fixture(scope="module")
+def emulated_models(cache):
+    device = EmulatedDevice(cache=cache / "emulated")
+    session = PluginSession(autoload=False)
+    session.register(EmulatedCuda(device), "cuda-emulated")
+
+    def make(bundle, recipe: str) -> tuple[Model, Model]:
+        return tuple(Model.from_ir(bundle, seed=0, backend=b, precision=recipe) for b in ("numpy", "cuda"))
+
+    with session.activate():  # for the module's tests: the models run in it
+        yield make
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_precision_override_on_emulated_cuda_equals_numpy(case: str, emulated_models) -> None:
+    """Each override trains on emulated cuda as on NumPy (the same bits where they round alike), and
+    away from the unannotated model. The ``@dtype``-only case keeps bf16 compute and checks that cuda
+    leaves ``h`` unrounded where the Program says so."""
+    _check(case, emulated_models, EMULATOR, exact=True)
+
+
+def test_the_override_reaches_the_cuda_kernels(cache) -> None:
+    """One matmul in bf16 under ``fp32``: its operands are cast to bf16 on the device (``matmul_bf16``)
+    while the other matmuls stay ``matmul_f32``."""
+    launched: set[str] = set()
+
+    class Launches(EmulatedDevice):
+        def launch(self, name: str, *args: object) -> None:
+            launched.add(name)
+            super().launch(name, *args)
+
+    def kernels(bundle) -> set[str]:
+        launched.clear()
+        with PluginSession(autoload=False).activate() as session:
+            session.register(EmulatedCuda(Launches(cache=cache / "emulated")), "cuda-emulated")
+            Model.from_ir(bundle, seed=0, backend="cuda").train_step(batch())
+        return set(launched)
+
+    bundle = build_bundle(lm("Launched", precision(compute="bf16")), {})
+    with PluginSession(autoload=False).activate() as session:
+        session.register(EmulatedCuda(), "cuda-emulated")
+        assert compile(bundle, bindings={"B": 2, "T": 8}, backend="cuda").computes["blocks.0.h"] == "bf16"
+    assert {"matmul_bf16", "matmul_f32"} <= kernels(bundle)
+    assert "matmul_bf16" not in kernels(build_bundle(lm("NotLaunched"), {}))
+
+
+ok, why = _device.device_status()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ok, reason=f"needs a CUDA GPU: {why}")
+@pytest.mark.parametrize("case", list(CASES))
+def test_precision_override_on_the_gpu_equals_numpy(case: str) -> None:
+    def make(bundle, recipe: str) -> tuple[Model, Model]:
+        return tuple(Model.from_ir(bundle, seed=0, backend=b, precision=recipe) for b in ("numpy", "cuda"))
+
+    _check(case, make, GPU, exact=False)
