@@ -221,3 +221,42 @@ def test_a_killed_rank_stops_the_run_names_it_and_leaves_a_checkpoint_to_resume(
     assert "kiln: rank 1 (pid " in err, err
     done = kiln(str(config), "--resume", cwd=tmp_path)  # the checkpoint is intact: one process goes on
     assert "resuming from" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero1-reduce-scatter"])
+def test_overlap_in_kiln_train_gives_the_losses_of_the_run_without(tmp_path: Path, zero: bool) -> None:
+    """``[parallel] overlap = true``: the gradient sync started in the backward, the same sums."""
+    plain = "zero = true" if zero else ""
+    without = write_run(tmp_path, "plain", parallel=plain)
+    overlapped = write_run(tmp_path, "overlap", parallel=f"{plain}\noverlap = true")
+    a = kiln(str(without), "--nproc", "2", cwd=tmp_path)
+    assert a.returncode == 0, a.stderr
+    assert "overlapped" not in a.stdout
+    done = kiln(str(overlapped), "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sync = "reduce-scatter" if zero else "all-reduce"
+    assert f"{sync} overlapped with the backward" in done.stdout, done.stdout
+    assert_same_losses(records(tmp_path / "out-plain"), records(tmp_path / "out-overlap"), rel=1e-6)
+
+
+def test_mpiexec_of_kiln_train_trains_as_nproc(tmp_path: Path) -> None:
+    """``mpiexec -n 2 python -m kiln.core train CONFIG`` (the command ``--nproc 2`` runs, as typed with
+    the MPI launcher of the mpich wheel) trains as ``--nproc 2``: rank 0 alone prints and writes."""
+    from kiln.dist import launcher
+
+    nproc, typed = write_run(tmp_path, "nproc"), write_run(tmp_path, "typed")
+    assert kiln(str(nproc), "--nproc", "2", cwd=tmp_path).returncode == 0
+    done = subprocess.run([launcher(), "-n", "2", sys.executable, "-m", "kiln.core", "train", str(typed)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KILN_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("data:") == 1  # rank 0 alone prints
+    a, b = records(tmp_path / "out-nproc"), records(tmp_path / "out-typed")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert_same_losses(a, b, rel=1e-6)
+    names = [{p.name for p in (tmp_path / out).iterdir()} for out in ("out-nproc", "out-typed")]
+    assert names[0] == names[1]
+    # --nproc under the launcher is refused: the ranks would start ranks of their own
+    nested = subprocess.run([launcher(), "-n", "1", sys.executable, "-m", "kiln.core", "train", str(typed),
+                             "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert nested.returncode != 0 and "under mpiexec or srun leave it out" in nested.stderr, nested.stderr

@@ -84,6 +84,7 @@ def test_section_that_is_not_a_table(tmp_path: Path) -> None:
     ("[data]\nseparator = 2\n", "data.separator", "a string"),
     ("[model]\nconfig = 3\n", "model.config", "a table"),
     ("[lora]\nuse_rslora = 1\n", "lora.use_rslora", "true or false"),
+    ("[parallel]\noverlap = \"yes\"\n", "parallel.overlap", "true or false"),
     ("[lora]\ntarget_modules = [1, 2]\n", "lora.target_modules", "a list of strings"),
     ("[train]\nmemory_budget = [1]\n", "train.memory_budget", "not a budget"),
 ])

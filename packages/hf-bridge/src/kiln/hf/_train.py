@@ -52,7 +52,8 @@ MAX_SEQ = 2048
 #: keys a resumed run may change; any other change is refused
 _RESUMABLE = ("train.output_dir", "train.steps", "train.eval_every", "train.eval_batches",
               "train.checkpoint_every", "train.keep_last", "train.keep_best", "train.log_every",
-              "train.report_to", "parallel.zero", "parallel.tensor", "parallel.ranks")
+              "train.report_to", "parallel.zero", "parallel.tensor", "parallel.ranks",
+              "parallel.overlap")
 #: ``kiln train``'s exit codes for data errors and non-finite values (a config error exits 2, as every
 #: other KilnError; docs/training.md lists them all)
 EXIT_DATA, EXIT_NONFINITE = 3, 4
@@ -201,6 +202,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "parallel": {
         "zero": Key("bool", False),
+        "overlap": Key("bool", False),
         "tensor": Key("int", 1, check=_at_least(1)),
         "ranks": Key("int", None, check=_at_least(1)),
     },
@@ -1085,11 +1087,12 @@ def _data_parallel(config: TrainConfig) -> Any:
                                    key="parallel.tensor", file=config.file)
         return None
     _check_parallel(config, world, f"{world} MPI ranks")
+    zero = int(config["parallel"]["zero"])  # ZeRO-1 over the data-parallel ranks (of the grid)
+    overlap = bool(config["parallel"]["overlap"])  # their all-reduce / reduce-scatter in the backward
     if tensor == 1:
-        return DataParallel("mpi", zero=int(config["parallel"]["zero"]))
+        return DataParallel("mpi", zero=zero, overlap=overlap)
     dp, tp = grid(tensor)
-    zero = int(config["parallel"]["zero"])  # ZeRO-1 over the data-parallel axis of the grid
-    return TensorParallel(tp, DataParallel(dp, zero=zero) if world > tensor else None)
+    return TensorParallel(tp, DataParallel(dp, zero=zero, overlap=overlap) if world > tensor else None)
 
 
 class _Run:
@@ -1200,6 +1203,9 @@ class _Run:
             what += f", {group.world_size}-way tensor parallel"
             if self.dp.data_parallel is not None and self.dp.data_parallel.zero:
                 what += f", ZeRO-1 over {self.dp.data_parallel.communicator.world_size} data-parallel ranks"
+        sync = self.dp.data_parallel if tp else self.dp  # the data-parallel gradient sync, if any
+        if sync is not None and sync.overlap:
+            what += f", {'reduce-scatter' if sync.zero else 'all-reduce'} overlapped with the backward"
         if self.mode == "lora":
             model = get_registry("adapters")["lora"].apply(model, _lora_config(self.c), seed=m["seed"])
         try:  # compiles the training step: the recompute plan may not fit the budget
