@@ -161,7 +161,10 @@ def test_feed_and_run_are_a_training_step(bundle: Any) -> None:
         stats = a.train_step(batch)
         prog = b.feed(batch)
         assert (prog.task, prog.bindings["B"], prog.bindings["T"]) == ("train", 2, 6)
-        assert set(b.tensors()) >= set(prog.tensors) | {"grad.embedding", "adamw.exp_avg_sq.embedding"}
+        listed = b.tensors()
+        assert {"grad.embedding", "adamw.exp_avg_sq.embedding"} <= set(listed)
+        assert {t.slot for t in listed.values()} == {t.slot for t in prog.tensors.values()} | {
+            t.slot for t in listed.values() if t.name not in prog.tensors}
         np.testing.assert_array_equal(b.read("token_ids"), batch["input_ids"])
         np.testing.assert_array_equal(b.read("targets"), batch["labels"])
         mask = batch["labels"] != -100
@@ -184,6 +187,25 @@ def test_a_scaled_seed_written_by_name_scales_the_gradients(bundle: Any) -> None
     model.run()
     for k, g in grads.items():
         np.testing.assert_allclose(model.read(f"grad.{k}"), 3.0 * g, rtol=1e-10, atol=1e-14, err_msg=k)
+
+
+def test_tensors_lists_each_gradient_slot_once_and_read_takes_both_names(bundle: Any) -> None:
+    batch = random_batch(V, 2, 6, seed=4)
+    model = Model.from_ir(bundle, seed=2, optimizer=None, dtype="float64")
+    _, grads = model.loss_and_grads(batch["input_ids"], batch["labels"])
+    prog = model.feed(batch)
+    model.run()
+    tensors = model.tensors()
+    places = [(t.pool, t.offset) for t in tensors.values() if t.slot.startswith("grad.")]
+    assert len(places) == len(set(places)), "a gradient slot is listed under two names"
+    for k, g in grads.items():  # the oracle: loss_and_grads, a separate run of the same batch
+        assert f"grad.{k}" in tensors and f"d_{k}" not in tensors
+        np.testing.assert_allclose(model.read(f"grad.{k}"), g, rtol=1e-10, atol=1e-14, err_msg=k)
+        if f"d_{k}" in prog.tensors:  # the Program's own name still reaches the same slot
+            np.testing.assert_array_equal(model.read(f"d_{k}"), model.read(f"grad.{k}"))
+    assert any(f"d_{k}" in prog.tensors for k in grads)
+    model.write("d_embedding", np.zeros_like(grads["embedding"]))
+    assert not model.read("grad.embedding").any()
 
 
 def test_feed_and_run_refuse_what_they_cannot_do(bundle: Any) -> None:

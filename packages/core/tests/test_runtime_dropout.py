@@ -64,3 +64,38 @@ def test_loss_and_logits_are_in_eval_mode_dropout_off() -> None:
     assert training != plain.loss(ids, labels)
     assert training == dropped.loss_and_grads(ids, labels)[0]  # the loss the gradients are of
     assert dropped.program(2, 5, task="eval").output == "loss"
+
+
+def test_dropout_key_is_the_splitmix64_stream_of_the_published_test_vectors() -> None:
+    # splitmix64's reference outputs (state += 0x9E3779B97F4A7C15, then the finaliser): seeded 0 and
+    # seeded 1234567, as published with the generator; dropout_key is that finaliser on the seed
+    from kiln.core import dropout_key
+
+    gamma = 0x9E3779B97F4A7C15
+    assert dropout_key(gamma) == 0xE220A8397B1DCDAF
+    assert dropout_key(1234567 + gamma) == 6457827717110365317
+    assert dropout_key(1234567 + 2 * gamma) == 3203168211198807973
+    assert dropout_key(-1) == dropout_key(2**64 - 1)  # seeds are taken modulo 2**64
+
+
+def test_a_mask_drawn_from_dropout_key_is_the_numpy_backends_mask() -> None:
+    # what a backend kernel does with the key: mix64(key + (counter + 1) * gamma), top 53 bits >= p
+    from kiln.core import dropout_key
+    from kiln.core.ops.library._elementwise import _dropout
+
+    m, gamma, p, seed, offset = 2**64 - 1, 0x9E3779B97F4A7C15, 0.4, 123, counter_offset(5, 2, 3)
+    key = dropout_key(seed)
+    keep = [(dropout_key((key + (offset + j + 1) * gamma) & m) >> 11) >= int(np.ceil(p * 2.0**53))
+            for j in range(64)]
+    x = np.arange(1.0, 65.0)
+    np.testing.assert_array_equal(_dropout(x, p=p, seed=seed, offset=offset) != 0, keep)
+    assert 0 < sum(keep) < 64
+
+
+def test_dropout_key_refuses_a_seed_that_is_not_an_int() -> None:
+    import pytest
+
+    from kiln.core import KilnError, dropout_key
+
+    with pytest.raises(KilnError, match="seed must be an int"):
+        dropout_key(1.5)  # type: ignore[arg-type]

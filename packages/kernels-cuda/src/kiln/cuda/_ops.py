@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kiln.core import KilnError
+from kiln.core import KilnError, dropout_key
 
 THREADS = 256
 #: at most this many blocks of grad-norm partial sums per gradient; their number depends only on the
@@ -257,22 +257,14 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-def _mix64(z: int) -> int:
-    """The splitmix64 finaliser on a 64-bit integer (the kernel's ``mix64``), for the hashed seed."""
-    m = (1 << 64) - 1
-    z &= m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return z ^ (z >> 31)
-
-
 def dropout(x: DeviceArray, *, out: Sequence[DeviceArray], p: float, seed: int, offset: int) -> None:
-    """The counter-based mask of kiln-core's ``dropout`` (the same splitmix64 stream, so the same mask as
-    the NumPy backend for the same seed and counters); ``offset`` is the step's counter offset."""
+    """The counter-based mask of kiln-core's ``dropout`` (the same splitmix64 stream keyed by core's
+    :func:`~kiln.core.dropout_key`, so the same mask as the NumPy backend for the same seed and
+    counters); ``offset`` is the step's counter offset."""
     _f32(x, out[0])
     if not 0.0 <= p < 1.0:
         raise KilnError(f"op 'dropout': p = {p} is not a drop probability in [0, 1)")
-    key = _mix64(seed)
+    key = dropout_key(seed)
     threshold = math.ceil(p * 2.0**53)
     if x.size:
         x.device.launch("dropout_f32", ew_grid(x.size), (THREADS,),

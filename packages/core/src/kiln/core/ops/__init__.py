@@ -15,6 +15,7 @@ from kiln.core.ops._ops import (
     numpy_dtype,
 )
 from kiln.core.ops.library._attention import check_rotary_dim, rope_tables
+from kiln.core.ops.library._elementwise import dropout_key
 from kiln.core.ops.library._loss import FUSED_LOGITS_TILE, loss_targets
 from kiln.core.ops.library._rope_freqs import ROPE_TYPES, rope_freqs_table, rope_inv_freq
 
@@ -50,6 +51,7 @@ __all__ = [
     "OpRegistry",
     "Sample",
     "check_rotary_dim",
+    "dropout_key",
     "infer_types",
     "loss_targets",
     "no_gradient",

@@ -659,15 +659,24 @@ class Model:
         """Every tensor :meth:`read` and :meth:`write` reach, by name: those of the current Program (the
         one last fed, run or asked for with :meth:`program`), with shape, dtype and place in the arena,
         and, always, the weights, gradients (``grad.<name>``) and optimizer state every Program shares
-        (``<optimizer>.<state>.<name>``, as :meth:`state_dict` names them)."""
+        (``<optimizer>.<state>.<name>``, as :meth:`state_dict` names them). Each slot is listed once: a
+        training Program's own name ``d_<name>`` for a parameter's gradient (the same slot as
+        ``grad.<name>``) is left out, though :meth:`read` and :meth:`write` still take it."""
+        every = self._every_tensor()
+        return {name: t for name, t in every.items()
+                if not (t.slot != name and t.slot.startswith("grad.") and t.slot in self._where)}
+
+    def _every_tensor(self) -> dict[str, Tensor]:
+        """The persistent head's tensors and the current Program's, aliases (``d_<name>``) included."""
         head = {name: Tensor(name, shape, self.dtype, name, offset)
                 for name, _, _, shape, offset, _ in self._layout}
         return head if self._current is None else {**head, **self._programs[self._current].tensors}
 
     def _tensor(self, name: str) -> tuple[Tensor, Any]:
         """Tensor ``name`` and the Executable that reaches it (None: the persistent head, no Program)."""
-        tensors = self.tensors()
+        tensors = self._every_tensor()
         if not isinstance(name, str) or name not in tensors:
+            tensors = self.tensors()  # suggest listed names only
             import difflib
 
             close = difflib.get_close_matches(str(name), list(tensors), n=3)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.core._errors import KilnError
 from kiln.core._threads import parallel, row_blocks, scratch
 from kiln.core.ir._dims import Const, DimExpr, Shape, dims_equal, parse_dim, parse_shape, simplify
 from kiln.core.ir._ir import TensorType
@@ -578,10 +579,21 @@ def _mix64(z: UInt) -> UInt:
     return z ^ (z >> np.uint64(31))
 
 
+def dropout_key(seed: int) -> int:
+    """The 64-bit key of ``dropout``'s counter stream for the op's ``seed`` attribute: the splitmix64
+    finaliser of ``seed`` taken modulo 2**64. Element j of a mask with counter offset ``offset`` draws
+    ``mix64(key + (offset + j + 1) * 0x9E3779B97F4A7C15)`` (top 53 bits, ``>= p`` kept), so a backend
+    kernel given this key (and :func:`~kiln.core.counter_offset`'s offset) draws the NumPy backend's
+    masks."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise KilnError(f"dropout_key: seed must be an int, got {type(seed).__name__} {seed!r}")
+    return int(_mix64(np.array([int(seed) & _M64], dtype=np.uint64))[0])
+
+
 def dropout_uniform(seed: int, offset: int, n: int) -> Array:
     """Uniforms in [0, 1) for counters ``offset .. offset + n - 1``: element j is a pure function of
-    (seed, offset + j), the j-th output of a splitmix64 stream keyed by the hashed seed."""
-    key = _mix64(np.array([seed & _M64], dtype=np.uint64))
+    (seed, offset + j), the j-th output of a splitmix64 stream keyed by :func:`dropout_key`."""
+    key = np.array([dropout_key(seed)], dtype=np.uint64)
     counters = np.arange(n, dtype=np.uint64) + np.uint64(offset & _M64)
     bits = _mix64(key + (counters + np.uint64(1)) * np.uint64(_GAMMA))
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # top 53 bits: exact doubles
