@@ -3,64 +3,13 @@ out (``@probe`` frequency/condition/captures, ``@hook`` ordering, ``@assert(enab
 ``@trainable(grad_clip=)`` and overriding ``@frozen``), each checked against NumPy, and an annotated
 LoRA adapter trained, saved and loaded by PEFT (``parity``)."""
 
-# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
-
 import numpy as np
 import pytest
+from kiln_dsl_annotated import C, V, lm
 
 from kiln.core import Model
-from kiln.dsl import Array, B, Param, T, Tensor, block, build_bundle, forward, graph, model
+from kiln.dsl import build_bundle
 from kiln.dsl.annotations import assert_, frozen, hook, probe, trainable
-
-V, C = 16, 8
-
-
-def lm(name: str, *, h_ann: tuple = (), w_ann: tuple = (), cls_ann: tuple = (), n_layers: int = 1) -> type:
-    """``x + silu(x w1^T) w2^T`` per layer; ``h_ann`` annotate ``h = x w1^T``, ``w_ann`` the weight w1."""
-
-    class Mlp:
-        def __init__(self, d_model: int):
-            self.d_model = d_model
-
-        w1 = Param(Tensor["d_model", "d_model", "fp32"])
-        w2 = Param(Tensor["d_model", "d_model", "fp32"])
-        for ann in w_ann:
-            w1 = w1 @ ann
-
-        @forward
-        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
-            with graph() as g:
-                h = g.annotate(g.matmul(g.view(x, shape=[B * T, "d_model"]), "w1", transpose="NT",
-                                        out_name="h"), *h_ann)
-                out = g.matmul(g.silu(h), "w2", transpose="NT")
-                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
-
-    Mlp.__name__ = Mlp.__qualname__ = f"{name}Block"
-    cls = block(Mlp)
-    for ann in reversed(cls_ann):
-        cls = ann(cls)
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = n_layers):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Block"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "embedding", targets)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
 
 
 def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,8 @@
 
 import numpy as np
 import pytest
+from kiln_dsl_annotated import C, V
+from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import Model, compile
 from kiln.dsl import (
@@ -22,50 +24,10 @@ from kiln.dsl import (
 )
 from kiln.dsl.annotations import gradient, memory, probe
 
-V, C = 16, 8
-
 
 def lm(name: str, *h_ann: object) -> type:
     """``x + silu(x @ w1^T) @ w2^T`` in a two-layer stack; ``h_ann`` annotate ``h = x @ w1^T``."""
-
-    class Mlp:
-        def __init__(self, d_model: int):
-            self.d_model = d_model
-
-        w1 = Param(Tensor["d_model", "d_model", "fp32"])
-        w2 = Param(Tensor["d_model", "d_model", "fp32"])
-
-        @forward
-        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
-            with graph() as g:
-                h = g.annotate(g.matmul(g.view(x, shape=[B * T, "d_model"]), "w1", transpose="NT"), *h_ann)
-                out = g.matmul(g.silu(h), "w2", transpose="NT")
-                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
-
-    Mlp.__name__ = Mlp.__qualname__ = f"{name}Block"
-    block(Mlp)
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 2):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Block"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "embedding", targets)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
+    return annotated_lm(name, h_ann=h_ann, n_layers=2)
 
 
 def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -9,13 +9,14 @@ every other op as the recipe says) and rounded to bfloat16 with ml_dtypes at tho
 
 import numpy as np
 import pytest
+from kiln_dsl_annotated import C, V
+from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import KilnError, Model
-from kiln.dsl import Array, B, Param, T, Tensor, block, build_bundle, forward, graph, model
+from kiln.dsl import B, Param, T, Tensor, build_bundle, forward, graph, model
 from kiln.dsl.annotations import dtype, precision, scaling
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes (kiln-core[bf16])")
-V, C = 16, 8
 
 
 def r(x: np.ndarray) -> np.ndarray:
@@ -24,51 +25,9 @@ def r(x: np.ndarray) -> np.ndarray:
 
 
 def lm(name: str, *h_ann: object, cls_ann: tuple = ()) -> type:
-    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss; ``h_ann`` annotate
-    ``h = x @ w1^T``, ``cls_ann`` the block."""
-
-    class Up:
-        def __init__(self, d_model: int):
-            self.d_model = d_model
-
-        w1 = Param(Tensor["d_model", "d_model", "fp32"])
-        w2 = Param(Tensor["d_model", "d_model", "fp32"])
-
-        @forward
-        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
-            with graph() as g:
-                x_flat = g.view(x, shape=[B * T, "d_model"])
-                h = g.annotate(g.matmul(x_flat, "w1", transpose="NT"), *h_ann)
-                out = g.matmul(g.silu(h), "w2", transpose="NT")
-                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
-
-    Up.__name__ = Up.__qualname__ = f"{name}Block"
-    cls = block(Up)
-    for ann in reversed(cls_ann):
-        cls = ann(cls)
-
-    class PrecisionLM:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 1):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        head = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Block"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "head", targets)
-
-    PrecisionLM.__name__ = PrecisionLM.__qualname__ = name
-    return model(PrecisionLM)
+    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss with its own ``head``;
+    ``h_ann`` annotate ``h = x @ w1^T``, ``cls_ann`` the block."""
+    return annotated_lm(name, h_ann=h_ann, cls_ann=cls_ann, head=True)
 
 
 def oracle(p: dict[str, np.ndarray], ids: np.ndarray, labels: np.ndarray, recipe: str,

@@ -1,0 +1,62 @@
+"""The tiny annotated model the annotation tests share (importable as ``kiln_dsl_annotated``; see
+``conftest.py``): ``x + silu(x @ w1^T) @ w2^T`` in a stack of blocks, then the LM head's loss."""
+
+# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
+
+from kiln.dsl import Array, B, Param, T, Tensor, block, forward, graph, model
+
+V, C = 16, 8
+
+
+def lm(name: str, *, h_ann: tuple = (), w_ann: tuple = (), cls_ann: tuple = (), n_layers: int = 1,
+       head: bool = False) -> type:
+    """The model ``name`` with block ``{name}Block``; ``h_ann`` annotate ``h = x @ w1^T``, ``w_ann`` the
+    weight ``w1``, ``cls_ann`` the block (outermost first); ``head``: an LM head of its own (``head``)
+    instead of the tied ``embedding``."""
+
+    class Mlp:
+        def __init__(self, d_model: int):
+            self.d_model = d_model
+
+        w1 = Param(Tensor["d_model", "d_model", "fp32"])
+        w2 = Param(Tensor["d_model", "d_model", "fp32"])
+        for ann in w_ann:
+            w1 = w1 @ ann
+
+        @forward
+        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
+            with graph() as g:
+                h = g.annotate(g.matmul(g.view(x, shape=[B * T, "d_model"]), "w1", transpose="NT",
+                                        out_name="h"), *h_ann)
+                out = g.matmul(g.silu(h), "w2", transpose="NT")
+                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
+
+    Mlp.__name__ = Mlp.__qualname__ = f"{name}Block"
+    cls = block(Mlp)
+    for ann in reversed(cls_ann):
+        cls = ann(cls)
+    layers, untied, head_name = n_layers, head, "head" if head else "embedding"
+
+    class Lm:
+        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = layers):
+            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
+
+        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
+        if untied:
+            head = Param(Tensor["vocab_size", "d_model", "fp32"])
+        blocks = Param(Array["n_layers", f"{name}Block"])
+
+        @forward
+        def forward(
+            self,
+            token_ids: Tensor["B", "T", "int32"],
+            position_ids: Tensor["T", "int32"],
+            targets: Tensor["B", "T", "int32"],
+        ) -> Tensor["B * T", "fp32"]:
+            with graph() as g:
+                x0 = g.embedding(token_ids, "embedding")
+                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
+                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), head_name, targets)
+
+    Lm.__name__ = Lm.__qualname__ = name
+    return model(Lm)
