@@ -19,7 +19,8 @@ Then, on each ``--recompute`` config (``--recompute ''`` skips it), it runs kiln
 without recompute, with ``recompute="auto"`` (its default budget, half the saved activations) and
 with ``recompute="block"``, interleaved in the same way, and prints each mode's step-time overhead
 over no recompute (median of per-round ratios) with its planned saved activations and activation
-peak (saved + transient) as a share of no recompute's.
+peak (saved + transient) as a share of no recompute's, and its peak RSS (as a multiple of
+transformers eager's where the main rounds ran on that config too).
 """
 
 from __future__ import annotations
@@ -179,10 +180,11 @@ def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
     try:
         _warm(sides, warmup)
         times, foreign = _timed(sides, rounds)
-        planned = {s: sides[s].ask("memory")["planned"] for s in RECOMPUTE}
+        memory = {s: sides[s].ask("memory") for s in RECOMPUTE}
     finally:
         for side in sides.values():
             side.close()
+    planned = {s: memory[s]["planned"] for s in RECOMPUTE}
     base = planned["kiln:none"]
 
     def activations(p: dict[str, int]) -> int:
@@ -195,11 +197,14 @@ def bench_recompute(config: str, warmup: int, rounds: int) -> dict[str, Any]:
             "overhead": _ratio(times, s, "kiln:none") - 1,
             "saved_share": planned[s]["saved_activations"] / base["saved_activations"],
             "activation_share": activations(planned[s]) / activations(base), "planned": planned[s],
+            "peak_rss": memory[s]["peak_rss"],
         }
     return {"config": config, "rounds": rounds, "warmup": warmup, "modes": modes, "foreign_cpu": foreign}
 
 
-def report_recompute(r: dict[str, Any]) -> list[str]:
+def report_recompute(r: dict[str, Any], eager_rss: int | None = None) -> list[str]:
+    """The recompute rounds' lines; with ``eager_rss`` (transformers eager's peak RSS on the same config,
+    from the main rounds of this run) each mode's peak RSS also as a multiple of it."""
     mib = 2**20
     lines = ["", f"== recompute on {r['config']}: {r['warmup']} warm-up + {r['rounds']} interleaved rounds; "
                  f"other processes used {r['foreign_cpu']:.0%} of the CPU time meanwhile"]
@@ -210,7 +215,8 @@ def report_recompute(r: dict[str, Any]) -> list[str]:
             f"{f' (target <= {target:.0%})' if target is not None else '                 '}   saved "
             f"{d['planned']['saved_activations'] / mib:6.1f} MiB ({d['saved_share']:6.1%})   activation peak "
             f"{(d['planned']['saved_activations'] + d['planned']['transient']) / mib:6.1f} MiB "
-            f"({d['activation_share']:6.1%})")
+            f"({d['activation_share']:6.1%})   peak RSS {d['peak_rss'] / mib:6.0f} MiB"
+            + (f" = {d['peak_rss'] / eager_rss:4.2f}x eager's" if eager_rss else ""))
     return lines
 
 
@@ -287,8 +293,9 @@ def main() -> None:
         print(f"recompute on {config}: done", file=sys.stderr, flush=True)
     where = machine()
     print(report(results, where))
+    eager_rss = {r["config"]: r["sides"]["hf"]["peak_rss"] for r in results}
     for r in recompute:
-        print("\n".join(report_recompute(r)))
+        print("\n".join(report_recompute(r, eager_rss.get(r["config"]))))
     if args.json:
         args.json.write_text(json.dumps({"machine": where, "results": results, "recompute": recompute},
                                         indent=1) + "\n")

@@ -133,6 +133,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
         return name
 
     counts: dict[str, int] = {}
+    origin: dict[str, str] = {}  # first output of an op a backward rule emitted -> its forward op's
     for op in reversed(graph.ops):
         d_outs = [grads.get(o) for o in op.outputs]
         if not any(d_outs):
@@ -167,6 +168,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
                 raise AutodiffError(f"backward rule of {op.type!r} returned {len(contribs)} gradients for "
                                     f"{len(op.inputs)} inputs", op=op.type)
             emitted.extend(ctx.emitted)
+            origin.update((e.outputs[0], op.outputs[0]) for e in ctx.emitted)
         for name, g in zip(op.inputs, contribs, strict=True):
             if g is None or name not in needs:
                 continue
@@ -220,10 +222,13 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     saves = tuple(dict.fromkeys((*refs, *opts.extra_saves))) if opts.auto_save else tuple(opts.extra_saves)
     used_params = sorted({i for op in kept for i in op.inputs if i in params})
     pdecl = {d.name: d for d in graph.params}
+    # which forward op each kept op derives from: the backward of an op runs in its forward's precision
+    origin = {rename.get(o, o): f for o, f in origin.items()}
+    derived_from = {op.outputs[0]: origin[op.outputs[0]] for op in kept if op.outputs[0] in origin}
     backward = Graph(
         f"{graph.name}_backward", inputs=loss_decls, outputs=outputs,
         params=tuple(pdecl[n] for n in used_params), ops=kept,
-        metadata={"forward": graph.name, "grad_prefix": p},
+        metadata={"forward": graph.name, "grad_prefix": p, "derived_from": derived_from},
     )
     missing = [n for n in refs if n not in saves]
     if missing:

@@ -325,7 +325,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print("pipeline stages (@partition; not executed yet: kiln runs no pipeline parallelism):")
         for owner, a in sorted(stages, key=lambda x: int(x[1].args["stage"])):
             print(f"  stage {a.args['stage']}: {a.on} {a.target or owner!r} of {owner}")
-    _print_kernel_choices(bundle, prog, s.get("backend", "numpy"))
+    _print_kernel_choices(bundle, prog)
     for b in plan.blocks:
         if b.offloaded:
             which = f" (layers {', '.join(map(str, b.layer_ids))})" if b.layer_ids else ""
@@ -355,23 +355,15 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_kernel_choices(bundle: Any, prog: Any, backend: Any) -> None:
-    """What ``@kernel`` and ``@nofuse`` (seed 004 §7.5) change in the Program a Model runs, and the
-    steps ``@precision``/``@dtype`` move off the recipe: one line per annotated tensor."""
-    from kiln.core.plugins._session import get_registry
-    from kiln.core.runtime._hooks import select_kernels
-
+def _print_kernel_choices(bundle: Any, prog: Any) -> None:
+    """What ``@kernel`` and ``@nofuse`` (seed 004 §7.5; ``compile`` applies them) chose in the Program,
+    and the steps ``@precision``/``@dtype`` move off the recipe: one line per annotated tensor."""
     modules = {m.name: m for m in getattr(bundle, "modules", ())}
     model = modules.get(getattr(bundle, "entry", None) or "") or next(iter(modules.values()), None)
     wanted = [(m.name, a) for m in modules.values() for a in m.annotations
               if a.on == "tensor" and a.kind in ("kernel", "nofuse", "precision", "dtype")]
     if model is None or not wanted:
         return
-    be = get_registry("backends")[backend] if isinstance(backend, str) else backend
-    chosen = select_kernels(prog, model, {k: v for k, v in modules.items() if k != model.name},
-                            get_registry("kernels"), be)
-    fused = {i for f in prog.fusions for i in f.steps}
-    kept = {i for f in chosen.fusions for i in f.steps}
     print("annotated kernels and precision (@kernel, @nofuse, @precision, @dtype):")
     stacks = {f"{p.name}.": p.array_of for p in model.params if p.array_of}
 
@@ -381,15 +373,13 @@ def _print_kernel_choices(bundle: Any, prog: Any, backend: Any) -> None:
             (m for pre, m in stacks.items() if first.startswith(pre)), model.name))
 
     for owner, a in wanted:
-        steps = [st for st in chosen.steps if st.phase == "forward" and st.op.outputs[:1] == (a.target,)
+        steps = [st for st in prog.steps if st.phase == "forward" and st.op.outputs[:1] == (a.target,)
                  and module_of(st) == owner]
         if a.kind == "kernel":
             got = sorted({st.kernel or "reference" for st in steps})
             what = f"runs {', '.join(got) or 'nothing'} (asked {a.args['name']!r})"
-        elif a.kind == "nofuse":
-            unfused = sum(1 for st in steps if st.index in fused and st.index not in kept)
-            what = f"not fused ({unfused} fused step(s) split)" + (f": {a.args['reason']}" if "reason" in
-                                                                   a.args else "")
+        elif a.kind == "nofuse":  # compile drops every fusion of these steps
+            what = "not fused" + (f": {a.args['reason']}" if "reason" in a.args else "")
         else:
             got = sorted({prog.computes.get(st.outputs[0], "recipe") for st in steps})
             low = sum(1 for st in steps if st.outputs[0] in prog.rounded)

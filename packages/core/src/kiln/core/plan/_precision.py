@@ -18,7 +18,11 @@ Per-op overrides (seed 004 §7.4, "Recipe Override"): ``@precision`` and ``@dtyp
 forward graph override the recipe for the op that computes it (:func:`precision_overrides`). Under the
 ``fp32`` recipe an op outside any override runs as torch does outside autocast: it writes bfloat16
 only when all its float inputs are bfloat16 (``promote``), so one op annotated ``compute="bf16"``
-runs in bfloat16 and the ops after it return to fp32 at the first fp32 operand or ``fp32`` op.
+runs in bfloat16 and the ops after it return to fp32 at the first fp32 operand or ``fp32`` op. The
+backward ops a backward rule derives from an overridden op get its compute (autograd runs an op's
+backward in the precision its forward ran in), not its ``output``, which names the forward's tensor:
+the derived backward records each one's forward op (``metadata["derived_from"]``), and
+``Program.computes`` lists them by their first output, as the forward's.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from kiln.core.ir._dims import dim_bindings, evaluate_shape, parse_dim
 from kiln.core.ir._ir import Bundle, FrozenDict, Graph, Module, Op, ParamSpec, TensorType, _strs, is_float
 from kiln.core.ops._ops import Cost, InferContext, OpRegistry
 from kiln.core.plan._calibrate import Probe
+from kiln.core.plan._kernel_choice import annotated_kernels
 from kiln.core.plan._lifetime import lifetime_spans
 from kiln.core.plan._optim import Optimizer, make_optimizer
 from kiln.core.plan._passes import PassRun, PassSpec, run_passes
@@ -246,7 +247,8 @@ class Program:
 
     def memory_table(self) -> str:
         """The memory report as text, one kind a row (``kiln plan`` prints it): the saved activations
-        also as a share of those without recompute and, under an auto budget, within it."""
+        also as a share of those without recompute and, under an auto budget, within it; the host
+        pool where the plan offloads activations to it."""
         report, plan = self.memory_report(), self.recompute
         rows = []
         for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs", "saved_activations",
@@ -257,8 +259,9 @@ class Program:
                          "without recompute)")
             rows.append(f"{k:<18} {_size(report[k]):>12}{extra}")
         n = sum(1 for sl in self.slots if sl.kind == "host")
-        rows.append(f"{'host':<18} {_size(report['host']):>12}  (pool of {n} offloaded tensors, outside the "
-                    "peak)")
+        if n:  # a plan that offloads: the host pool it fills
+            rows.append(f"{'host':<18} {_size(report['host']):>12}  (pool of {n} offloaded tensors, outside "
+                        "the peak)")
         if plan.budget is not None:
             act = report["saved_activations"] + report["transient"]
             rows.append(f"saved activations {_size(report['saved_activations'])} within the budget of "
@@ -336,6 +339,26 @@ def model_params(model: Module, modules: Mapping[str, Module], bindings: Mapping
     return out
 
 
+def backend_named(name: str) -> Any:
+    """The registered backend ``name``; ``name:index`` (``cuda:1``, as ``torch.device`` spells it) is
+    that backend on its device ``index``, where it has several (its optional ``on_device``)."""
+    from kiln.core.plugins._session import get_registry
+
+    registry = get_registry("backends")
+    base, colon, index = name.partition(":")
+    if not colon or name in registry:
+        return registry[name]
+    backend = registry[base]
+    if not index.isdigit():
+        raise KilnError(f"backend {name!r}: the device index {index!r} is not a non-negative integer",
+                        hint=f"write {base!r} for the default device, or {base + ':1'!r} for device 1")
+    on_device = getattr(backend, "on_device", None)
+    if on_device is None:
+        raise KilnError(f"backend {base!r} has no devices to choose from, so {name!r} names none",
+                        hint=f"write {base!r}")
+    return on_device(int(index))
+
+
 @attrs.frozen
 class Target:
     """What a Program is planned for: the backend (by registry name or object), its kernel table, the
@@ -356,7 +379,7 @@ class Target:
         from kiln.core.plugins._session import get_registry
 
         if isinstance(backend, str):
-            backend = get_registry("backends")[backend]  # an unknown backend names the plugin to install
+            backend = backend_named(backend)  # an unknown backend names the plugin to install
         valid = tuple(getattr(backend, "dtypes", DTYPES))
         if dtype not in valid or dtype not in ITEMSIZE:
             raise KilnError(f"dtype={dtype!r} is not valid for backend {backend.name!r}; expected one of "
@@ -451,7 +474,7 @@ def _program(s: _Scheduler, model: Module, target: Target, task: str, mode: str,
              plan: RecomputePlan, runs: list[PassRun], slots: list[Slot], tensors: dict[str, Tensor],
              persistent: int, arena: int, fusions: Any, times: tuple[float, float, float]) -> Program:
     t0, t1, t2 = times
-    return Program(
+    program = Program(
         name=model.name, backend=target.backend.name, task=task, mode=mode, dtype=dtype,
         bindings=FrozenDict(s.binds), steps=tuple(s.steps), tensors=FrozenDict(tensors), slots=tuple(slots),
         params=tuple(s.param_infos()), persistent_bytes=persistent, arena_bytes=arena,
@@ -464,6 +487,8 @@ def _program(s: _Scheduler, model: Module, target: Target, task: str, mode: str,
         precision=s.target.precision, rounded=frozenset(k for k in s.low if k in tensors),
         computes=FrozenDict({k: v for k, v in s.computes.items() if k in tensors}),
     )
+    # @kernel and @nofuse: the step kernels of the annotated tensors, once the plan places them
+    return annotated_kernels(program, model, s.modules, target.kernels, target.backend)
 
 
 def _as_bundle(module_ir: Bundle | Module, modules: Mapping[str, Module] | None) -> Bundle:
@@ -588,9 +613,11 @@ class _Scheduler:
         return self.target.dtype if is_float(ir_dtype) else ir_dtype
 
     def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
-            layer: int | None = None, recompute: bool = False) -> None:
+            layer: int | None = None, recompute: bool = False, source: str | None = None) -> None:
+        """Schedule ``op`` on the keys ``ins`` -> ``outs``; ``source``: the first output of the forward op
+        whose backward rule emitted ``op`` (its ``@precision``/``@dtype`` compute applies)."""
         in_types = tuple(self.types[k] if k else None for k in ins)
-        override = self.override(op, outs, layer, phase, recompute)
+        override = self.override(op, outs, layer, phase, recompute, source)
         memo = (op, in_types, tuple(sorted(binds.items())), override)  # a block op runs per layer
         if memo not in self._added:
             opdef = self.registry.get_op(op.type)
@@ -925,7 +952,8 @@ class _Scheduler:
                 stack_grads.add(op.outputs[-1])
                 self.backward_call(op, ins, benv)
             else:
-                self.add("backward", op, ins, self.own(op.outputs, benv), self.binds)
+                self.add("backward", op, ins, self.own(op.outputs, benv), self.binds,
+                         source=_derived_from(res.backward, op))
         for name, g in res.grads.items():
             if name in self.trainable:
                 self.pin_grad(name, benv[g])
@@ -1029,7 +1057,8 @@ class _Scheduler:
                 moved = rc.moved if rc is not None else set()
                 bins = [rc.source(n[6:], {}) if rc is not None and n.startswith("saved.") and n[6:] in moved
                         else self.read(n, e, lenv) for n in bop.inputs]
-                self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i)
+                self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i,
+                         source=_derived_from(res.backward, bop))
             for d in g.params:
                 if d.name in grads and lenv[d.name] in self.trainable:
                     self.pin_grad(lenv[d.name], e[grads[d.name]])
@@ -1112,23 +1141,36 @@ class _Scheduler:
                                            (recipe.low if low else None) or self.target.dtype)
 
     def override(self, op: Op, outs: Sequence[str], layer: int | None, phase: str,
-                 recompute: bool) -> Override | None:
+                 recompute: bool, source: str | None = None) -> Override | None:
         """The ``@precision``/``@dtype`` override of a forward op (or its replay), found by the module
-        that computes it and its first output's name."""
-        if not self.overrides or not op.outputs or not (phase == "forward" or recompute):
+        that computes it and its first output's name; for a backward op derived from a forward op
+        (``source``: that op's first output), the forward's compute (as autograd runs an op's backward
+        in the precision its forward ran in), not its output type, which names the forward's tensor."""
+        forward = phase == "forward" or recompute
+        if not self.overrides or not op.outputs or not (forward or source):
             return None
         module = self.model.name
         if layer is not None:
             first = next((k for k in outs if k), "")
             module = next((m for pre, m in self._stacks.items() if first.startswith(pre)), module)
-        name = op.outputs[0]
+        name = op.outputs[0] if forward else str(source)
         regions = [(pre, o) for (m, pre), o in self.overrides.items() if m == module and pre.startswith("@")
                    and (pre == "@" or name.startswith(pre[1:] + "."))]
         region = max(regions, key=lambda x: len(x[0]))[1] if regions else None  # the innermost module
         own = self.overrides.get((module, name))
-        if own is None or region is None:
-            return own or region
-        return attrs.evolve(own, region=region.region)
+        if own is not None and region is not None:
+            own = attrs.evolve(own, region=region.region)
+        found = own or region
+        if found is None or forward:
+            return found
+        return None if found.compute is None and found.region is None else attrs.evolve(found, output=None)
+
+
+def _derived_from(backward: Graph, op: Op) -> str | None:
+    """The first output of the forward op whose backward rule emitted ``op`` (a derived backward
+    records it in its metadata), or None."""
+    found = backward.metadata.get("derived_from", {}).get(op.outputs[0]) if op.outputs else None
+    return None if found is None else str(found)
 
 
 def _stack(op: Op) -> tuple[str, int]:

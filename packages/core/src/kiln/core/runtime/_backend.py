@@ -82,6 +82,10 @@ class Backend(Protocol):
     step's kernel needs (by step index; the NumPy backend declares none). ``compile`` places each as a
     slot ``workspace.<index>`` (kind ``workspace``) of the arena, live during its step alone, so the
     planned peak covers them and the backend allocates nothing beside the arena.
+
+    Optional, for a backend with several devices (``cuda``): ``on_device(index) -> Backend``, the same
+    backend on its device ``index`` (a KilnError naming an index it does not have), which the name
+    ``name:index`` (``"cuda:1"``) looks up; and ``device_count``, how many it has.
     """
 
     name: str

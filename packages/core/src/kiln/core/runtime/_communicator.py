@@ -61,7 +61,11 @@ class DataParallel(Protocol):
 
     A ``plan`` that also takes a keyword ``module_ir`` receives the :class:`~kiln.core.ir.Bundle` the
     model trains, after its graph passes (a tensor-parallel plan reads there which parameters its pass
-    sliced); a ``plan(trained)`` is called as it is."""
+    sliced); a ``plan(trained)`` is called as it is.
+
+    Optional: ``rank_device(backend) -> int | None``, the device of ``backend`` this rank trains on
+    (kiln-dist: its node-local GPU), which a Model takes when its backend has devices to choose from
+    (``on_device``) and was named without an index; None keeps the backend's default."""
 
     @property
     def communicator(self) -> Communicator: ...

@@ -33,7 +33,6 @@ from kiln.core.plan._program import (
     persistent_layout,
 )
 from kiln.core.runtime._communicator import DataParallel
-from kiln.core.runtime._hooks import select_kernels
 
 #: the label of a position the loss ignores, unless the model's loss op says otherwise
 IGNORE_INDEX = -100
@@ -65,6 +64,15 @@ def _int_array(value: Any, name: str, shape: tuple[int, ...], *, rank1: bool = F
         raise KilnError(f"{name} must be shaped like input_ids {list(shape)}"
                         f"{' (or [seq])' if rank1 else ''}, found {list(arr.shape)}")
     return arr
+
+
+def _rank_device(target: Target, parallel: Any) -> Target:
+    """``target`` on the device the parallel object picks for this rank (``parallel.rank_device(backend)``:
+    kiln-dist's node-local GPU), where the backend has devices to choose from (``on_device``)."""
+    pick: Any = getattr(parallel, "rank_device", None)
+    on_device: Any = getattr(target.backend, "on_device", None)
+    index = None if pick is None or on_device is None else pick(target.backend)
+    return target if index is None else attrs.evolve(target, backend=on_device(index))
 
 
 def _sync_plan(parallel: DataParallel, trained: list[tuple[str, tuple[int, ...]]],
@@ -227,6 +235,8 @@ class Model:
         self.recompute, self.recompute_budget = recompute, recompute_budget
         self.recompute_options = dict(recompute_options or {})
         self.target = Target.of(backend, optimizer, dtype, precision=precision)
+        if isinstance(backend, str) and ":" not in backend:  # no device named: the parallel rank's own
+            self.target = _rank_device(self.target, data_parallel)
         #: the precision recipe every Program of the model follows
         self.precision: str = self.target.precision.name
         #: None: no optimizer (no state; :meth:`forward_backward` for an external one)
@@ -396,7 +406,6 @@ class Model:
                            recompute_options=self.recompute_options, kernels=self.target.kernels,
                            passes=self.passes, sync=self._sync, precision=self.target.precision)
             assert prog.persistent_bytes == self._persistent
-            prog = select_kernels(prog, self._model, self._runtime.modules, self.target.kernels, self.backend)
             self._programs[key] = prog
         prog = self._programs[key]
         if prog.arena_bytes > self._arena.nbytes:  # grow: the persistent head moves to the new arena
@@ -631,7 +640,15 @@ class Model:
         ``sum(logits * d_logits)`` for every trained parameter, left for :meth:`gradients` (each call
         overwrites them; of this process's batch: no gradient synchronisation). ``d_logits`` is
         ``[batch, seq, vocab]``. The forward runs again, in training mode (dropout masks of update
-        ``step + 1``): its logits are :meth:`logits`'s where the model has no dropout."""
+        ``step + 1``): its logits are :meth:`logits`'s where the model has no dropout. A model split
+        over ranks by a ``shard``-stage pass (tensor parallelism) is refused with a KilnError."""
+        sharded = self._sharding_pass()
+        if sharded is not None:
+            raise KilnError(f"backward_from_logits: the graph pass {sharded!r} (stage 'shard') splits the "
+                            "model over ranks, so each rank's logits and LM head are a slice (or its blocks "
+                            "a part of a sum); a seed of the whole logits has no backward kiln runs there",
+                            hint="call it on a model without tensor parallelism (data parallelism is fine: "
+                                 "each rank seeds its own batch's logits)")
         ids = np.asarray(input_ids)
         g = np.asarray(d_logits)
         vocab = self._vocab[1]
@@ -647,6 +664,17 @@ class Model:
         ex.write("d_loss", np.ones(ids.size))
         ex.run(("forward", "backward"), hyper={"step": self.step + 1})
         self._apply_grad_rules(ex)
+
+    def _sharding_pass(self) -> str | None:
+        """The first of the model's graph passes that splits it over ranks (stage ``shard``), or None."""
+        from kiln.core.plugins._session import get_registry
+
+        registry = get_registry("graph_passes")
+        for spec in self.passes:
+            name = spec if isinstance(spec, str) else spec[0]
+            if name in registry and getattr(registry[name], "stage", "adapt") == "shard":
+                return str(name)
+        return None
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Host copies of the gradient of every trained parameter, as the last backward left them."""
