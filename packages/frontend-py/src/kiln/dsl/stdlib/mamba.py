@@ -12,6 +12,8 @@ The block follows HF ``MambaBlock`` / ``MambaMixer`` (their slow path, Mamba's `
 
 and, like the transformer blocks, takes and returns ``(x, residual)``: the residual sum is fused into
 the block's RMSNorm, so a stack of Mamba blocks and dense transformer blocks shares one convention.
+``MambaStateBlock`` is the same block with its inference state (seed 004 §11.3): the scan's and the
+conv's initial states in, their final states out, for decoding a sequence chunk by chunk.
 """
 
 # Tensor[...] annotations hold dimension names, which ruff would read as forward references.
@@ -39,7 +41,7 @@ from kiln.dsl import (
 from kiln.dsl.stdlib.blocks import DenseTransformerBlock, MoETransformerBlock
 from kiln.dsl.stdlib.models import _CausalLM
 
-__all__ = ["HybridModel", "MambaBlock", "MambaModel", "hybrid_attention_layers"]
+__all__ = ["HybridModel", "MambaBlock", "MambaModel", "MambaStateBlock", "hybrid_attention_layers"]
 
 F = "fp32"
 _MATMUL = {"transpose": "NT"}
@@ -121,6 +123,49 @@ class MambaBlock:
             y = g.matmul(x_flat, weight, out_name=f"{name}_flat", **_MATMUL)
         return g.view(y, shape=[B, T, cols], out_name=name)
 
+    def _mixer(self, g: Any, x: Any, residual: Any, state: bool = False, ssm_state: Any = None,
+               conv_state: Any = None) -> tuple[Any, ...]:
+        """(out, res), and with ``state`` the final states (ssm_state_out, conv_state_out): the scan's
+        ``[B, DI, N]`` and the conv's last ``d_conv`` inputs ``[B, DI, KC]``, from the initial ones
+        given (None: zeros, a sequence's start)."""
+        res, normed, _ = g.fused_residual_rmsnorm(residual, x, "norm_weight", eps=self.eps,
+                                                  res_out_name="res", y_name="normed", rstd_name="norm_rstd")
+        xz = self._linear(g, normed, "in_proj_weight", "in_proj_bias", self.C, 2 * self.DI, "xz")
+        xs, z = g.split(xz, [self.DI, self.DI], dim=2, out_names=["xs", "gate"])
+        conv_in = g.transpose(xs, 1, 2, out_name="conv_in")  # [B, DI, T]
+        bias = "conv1d_bias" if self.use_conv_bias else None
+        if state:
+            if conv_state is None:
+                conv_state = g.zeros(shape=[B, self.DI, self.KC], dtype=F, out_name="conv_state")
+            # the op's state is the K - 1 inputs before x; transformers' cache (and the seed's) keeps K
+            before = g.split(conv_state, [1, self.KC - 1], dim=2)[1]
+            conv_out = g.custom("mamba_conv1d", conv_in, "conv1d_weight", bias, before, activation="silu",
+                                out_name="conv_out")
+            conv_state_out = g.split(g.concat(conv_state, conv_in, dim=2), [T, self.KC], dim=2,
+                                     out_names=["conv_state_out_0", "conv_state_out"])[1]
+        else:
+            conv_out = g.custom("mamba_conv1d", conv_in, "conv1d_weight", bias, activation="silu",
+                                out_name="conv_out")
+        u_btd = g.transpose(conv_out, 1, 2, out_name="u_btd")
+        dbc = self._linear(g, u_btd, "x_proj_weight", "", self.DI, self.R + 2 * self.N, "x_dbc")
+        dt_low, b_ssm, c_ssm = g.split(dbc, [self.R, self.N, self.N], dim=2,
+                                       out_names=["dt_low", "B_ssm", "C_ssm"])
+        dt = self._linear(g, dt_low, "dt_proj_weight", "", self.R, self.DI, "dt")  # bias: in the scan
+        A = g.scale(g.exp("A_log", out_name="A_exp"), -1.0, out_name="A")
+        delta = g.transpose(dt, 1, 2, out_name="delta")
+        scan_in = (conv_out, delta, A, g.transpose(b_ssm, 1, 2, out_name="B_t"),
+                   g.transpose(c_ssm, 1, 2, out_name="C_t"), "D", g.transpose(z, 1, 2, out_name="z"),
+                   "dt_proj_bias")
+        if state:
+            y, ssm_state_out = g.custom("mamba_selective_scan", *scan_in, ssm_state, delta_softplus=True,
+                                        return_last_state=True, num_outputs=2,
+                                        out_names=["scan_out", "ssm_state_out"])
+        else:
+            y = g.custom("mamba_selective_scan", *scan_in, delta_softplus=True, out_name="scan_out")
+        y_btd = g.transpose(y, 1, 2, out_name="y_btd")
+        out = self._linear(g, y_btd, "out_proj_weight", "out_proj_bias", self.DI, self.C, "out")
+        return (out, res, ssm_state_out, conv_state_out) if state else (out, res)
+
     @forward
     def forward(
         self,
@@ -129,28 +174,34 @@ class MambaBlock:
     ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F]]:
         """Returns (out, res): the next layer's x and residual."""
         with graph() as g:
-            res, normed, _ = g.fused_residual_rmsnorm(residual, x, "norm_weight", eps=self.eps,
-                                                      res_out_name="res", y_name="normed",
-                                                      rstd_name="norm_rstd")
-            xz = self._linear(g, normed, "in_proj_weight", "in_proj_bias", self.C, 2 * self.DI, "xz")
-            xs, z = g.split(xz, [self.DI, self.DI], dim=2, out_names=["xs", "gate"])
-            conv_in = g.transpose(xs, 1, 2, out_name="conv_in")  # [B, DI, T]
-            conv_out = g.custom("mamba_conv1d", conv_in, "conv1d_weight",
-                                "conv1d_bias" if self.use_conv_bias else None, activation="silu",
-                                out_name="conv_out")
-            u_btd = g.transpose(conv_out, 1, 2, out_name="u_btd")
-            dbc = self._linear(g, u_btd, "x_proj_weight", "", self.DI, self.R + 2 * self.N, "x_dbc")
-            dt_low, b_ssm, c_ssm = g.split(dbc, [self.R, self.N, self.N], dim=2,
-                                           out_names=["dt_low", "B_ssm", "C_ssm"])
-            dt = self._linear(g, dt_low, "dt_proj_weight", "", self.R, self.DI, "dt")  # bias: in the scan
-            A = g.scale(g.exp("A_log", out_name="A_exp"), -1.0, out_name="A")
-            y = g.custom("mamba_selective_scan", conv_out, g.transpose(dt, 1, 2, out_name="delta"), A,
-                         g.transpose(b_ssm, 1, 2, out_name="B_t"), g.transpose(c_ssm, 1, 2, out_name="C_t"),
-                         "D", g.transpose(z, 1, 2, out_name="z"), "dt_proj_bias", delta_softplus=True,
-                         out_name="scan_out")
-            y_btd = g.transpose(y, 1, 2, out_name="y_btd")
-            out = self._linear(g, y_btd, "out_proj_weight", "out_proj_bias", self.DI, self.C, "out")
-            return out, res
+            return self._mixer(g, x, residual)
+
+
+@block
+class MambaStateBlock(MambaBlock):
+    """``MambaBlock`` with its inference state, as seed 004's §11.3 block (and the text syntax) writes
+    it: the optional inputs ``ssm_state`` ``[B, d_inner, d_state]`` and ``conv_state``
+    ``[B, d_inner, d_conv]`` (the conv's last ``d_conv`` inputs, transformers' cache layout; None:
+    zeros) and the outputs ``ssm_state_out`` and ``conv_state_out``, the states after this chunk. Run a
+    sequence chunk by chunk (or token by token), each from the states the one before returned, and
+    it computes what the whole sequence does. The same parameters and HF keys as ``MambaBlock``; a
+    stack of layers (``MambaModel``) carries ``(x, residual)`` only, so it stacks ``MambaBlock``."""
+
+    # the conv reads the state too: replayed from conv_in alone it would not be what the forward saw
+    conv_out = Activation(Tensor["B", "DI", "T", F], description="silu(causal conv1d): the scan's input u")
+
+    @forward
+    def forward(
+        self,
+        x: Tensor["B", "T", "C", F],
+        residual: Tensor["B", "T", "C", F],
+        ssm_state: Tensor["B", "DI", "N", F] | None = None,
+        conv_state: Tensor["B", "DI", "KC", F] | None = None,
+    ) -> tuple[Tensor["B", "T", "C", F], Tensor["B", "T", "C", F], Tensor["B", "DI", "N", F],
+               Tensor["B", "DI", "KC", F]]:
+        """Returns (out, res, ssm_state_out, conv_state_out)."""
+        with graph() as g:
+            return self._mixer(g, x, residual, True, ssm_state, conv_state)
 
 
 #: HF keys of a Mamba layer (``MambaBlock``: ``norm`` and ``mixer``)
