@@ -3,6 +3,7 @@ themselves checked against float64 finite differences), on random shapes, ragged
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,37 @@ def test_silu(tables: dict[str, Any], shape: tuple[int, ...]) -> None:
     close_scaled(run(native_b, [d, x], [shape])[0], run(numpy_b, [d, x], [shape])[0], dx64)
 
 
+def _gelu64(x: np.ndarray, tanh_form: bool) -> tuple[np.ndarray, np.ndarray]:
+    """float64 oracle: gelu(x) and its derivative (math.erf, or the tanh form)."""
+    x = x.astype(np.float64)
+    if tanh_form:
+        c = math.sqrt(2 / math.pi)
+        t = np.tanh(c * (x + 0.044715 * x**3))
+        return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    return x * cdf, cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (33, 129)], ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_geglu_and_backward(tables: dict[str, Any], shape: tuple[int, ...], approximate: str) -> None:
+    """gelu, gelu_backward and geglu against the float64 oracle and the NumPy kernel, extremes included
+    (the NumPy kernel's 1 + erf loses digits for negative x: the C kernel uses erfc)."""
+    rng = np.random.default_rng(sum(shape) + 41)
+    x, d, up = rand(rng, *shape, scale=3), rand(rng, *shape), rand(rng, *shape)
+    extremes = np.array([-30.0, 30.0, -6.0, 0.0], np.float32)[: x.size]
+    x.reshape(-1)[: len(extremes)] = extremes
+    out64, grad64 = _gelu64(x, approximate == "tanh")
+    native, numpy = both(tables, "gelu")
+    close_scaled(native.fn(x, approximate=approximate), numpy.fn(x, approximate=approximate), out64)
+    native_b, numpy_b = both(tables, "gelu_backward")
+    close_scaled(native_b.fn(d, x, approximate=approximate), numpy_b.fn(d, x, approximate=approximate),
+                 d * grad64)
+    native_g, numpy_g = both(tables, "geglu")
+    close_scaled(native_g.fn(x, up, approximate=approximate), numpy_g.fn(x, up, approximate=approximate),
+                 out64 * up)
+
+
 @pytest.mark.parametrize("size", [1, 17, 100_003])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adamw_equals_numpy_bit_for_bit(tables: dict[str, Any], size: int, weight_decay: float) -> None:
@@ -288,6 +320,113 @@ def test_flash_attention_softmax_scale_and_fallbacks(tables: dict[str, Any]) -> 
         close(run(native, [qkv, None], shapes, **attrs), run(numpy, [qkv, None], shapes, **attrs))
 
 
+SEPARATE = [(2, 37, 37, 4, 2, 16), (1, 130, 130, 6, 2, 20), (3, 21, 70, 2, 2, 64), (2, 5, 67, 8, 1, 8),
+            (1, 90, 12, 2, 1, 24)]  # (B, Tq, Tk, Hq, Hkv, D): self and cross attention, Tq > Tk too
+
+
+def attention_case(rng: np.random.Generator, shape: tuple[int, ...], layout: str
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v: three C-contiguous arrays, or (``views``) q from packed rows and k, v from one kv array
+    (what a model that splits a projection hands the op)."""
+    b, tq, tk, hq, hkv, d = shape
+    if layout == "arrays":
+        return (rand(rng, b, tq, hq, d, scale=1.5), rand(rng, b, tk, hkv, d, scale=1.5),
+                rand(rng, b, tk, hkv, d))
+    q = rand(rng, b, tq, hq + 3, d, scale=1.5)[:, :, 1:hq + 1]
+    kv = rand(rng, b, tk, 2 * hkv, d, scale=1.5)
+    return q, kv[:, :, :hkv], kv[:, :, hkv:]
+
+
+@pytest.mark.parametrize("shape", SEPARATE, ids=str)
+@pytest.mark.parametrize(("causal", "window", "packed", "layout"),
+                         [(True, None, False, "arrays"), (False, None, False, "views"),
+                          (True, 9, False, "views"), (False, 9, True, "arrays"),
+                          (True, None, True, "arrays")],
+                         ids=["causal", "full-views", "window-views", "full-window-segments", "segments"])
+def test_attention_separate_qkv(tables: dict[str, Any], shape: tuple[int, ...], causal: bool,
+                                window: int | None, packed: bool, layout: str) -> None:
+    """attention on separate q, k, v against the NumPy kernel: forward (out, lse) and backward (dq, dk,
+    dv from d_out and d_lse), GQA, ragged lengths and head dims, cross attention (Tq != Tk: queries at
+    the last Tq key positions), windows, segment ids, strided q, k, v views."""
+    b, tq, tk, hq, _, d = shape
+    rng = np.random.default_rng(sum(shape) + 17)
+    q, k, v = attention_case(rng, shape, layout)
+    segments = np.sort(rng.integers(0, 3, (b, tk)), axis=1) if packed and tq <= tk else None
+    attrs = {"causal": causal, "softmax_scale": None, "window_size": window}
+    native, numpy = both(tables, "attention")
+    shapes = [(b, tq, hq, d), (b, hq, tq)]
+    got, want = (run(kernel, [q, k, v, segments], shapes, **attrs) for kernel in (native, numpy))
+    close([got[0]], [want[0]])
+    assert np.array_equal(np.isinf(got[1]), np.isinf(want[1]))  # +inf: a row that sees no key
+    finite = np.isfinite(want[1])
+    np.testing.assert_allclose(got[1][finite], want[1][finite], rtol=1e-5, atol=1e-6)
+    d_out, d_lse = rand(rng, *shapes[0]), rand(rng, *shapes[1])
+    native_b, numpy_b = both(tables, "attention_backward")
+    saved = [q, k, v, want[0], want[1]]
+    grads = [q.shape, k.shape, v.shape]
+    for inputs in ([d_out, *saved, d_lse, segments], [d_out, *saved, None, segments],
+                   [None, *saved, d_lse, segments]):
+        close(run(native_b, inputs, grads, **attrs), run(numpy_b, inputs, grads, **attrs), atol=1e-5)
+
+
+def test_attention_separate_qkv_runs_the_c_kernel(tables: dict[str, Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strided views and cross attention reach the C code (not the NumPy fallback), and its results
+    equal the packed kernel's on the same heads bit for bit (one set of inner loops)."""
+    rng = np.random.default_rng(29)
+    qkv = rand(rng, 2, 45, 8 * 16)
+    q, kk, v = (qkv.reshape(2, 45, 8, 16)[:, :, s] for s in (slice(0, 4), slice(4, 6), slice(6, 8)))
+    native, _ = both(tables, "attention")
+    native_b, _ = both(tables, "attention_backward")
+    flash, _ = both(tables, "flash_attention")
+    flash_b, _ = both(tables, "flash_attention_backward")
+    attrs = {"causal": True, "softmax_scale": None, "window_size": None}
+    calls: list[str] = []
+
+    def forbid(*args: Any, **kw: Any) -> None:
+        calls.append("numpy")
+
+    # the kernels' fallbacks: the dict of NumPy kernels their closures share
+    fallback = next(c.cell_contents for c in native.fn.__closure__ or ()
+                    if isinstance(c.cell_contents, dict) and "attention" in c.cell_contents)
+    monkeypatch.setitem(fallback, "attention", forbid)
+    monkeypatch.setitem(fallback, "attention_backward", forbid)
+    o, lse = run(native, [q, kk, v, None], [(2, 45, 4, 16), (2, 4, 45)], **attrs)
+    fo, flse = run(flash, [qkv, None], [(2, 45, 64), (2, 4, 45)], Hq=4, Hkv=2, D=16, **attrs)
+    assert np.array_equal(o.reshape(2, 45, 64), fo) and np.array_equal(lse, flse)
+    d_out = rand(rng, 2, 45, 4, 16)
+    dq, dk, dv = run(native_b, [d_out, q, kk, v, o, lse, None, None], [q.shape, kk.shape, v.shape], **attrs)
+    (d_qkv,) = run(flash_b, [d_out.reshape(2, 45, 64), qkv, fo, flse, None, None], [qkv.shape], Hq=4, Hkv=2,
+                   D=16, **attrs)
+    assert np.array_equal(np.concatenate([dq, dk, dv], axis=2).reshape(qkv.shape), d_qkv)
+    cross = [rand(rng, 1, 7, 2, 8), rand(rng, 1, 33, 1, 8), rand(rng, 1, 33, 1, 8)]
+    run(native, [*cross, None], [(1, 7, 2, 8), (1, 2, 7)], causal=False, softmax_scale=0.5, window_size=None)
+    assert calls == []
+    # softcap and ALiBi run the NumPy kernel
+    run(native, [*cross, None], [(1, 7, 2, 8), (1, 2, 7)], causal=False, softmax_scale=None, window_size=None,
+        softcap=3.0)
+    assert calls == ["numpy"]
+
+
+def test_attention_separate_qkv_does_not_depend_on_threads(tables: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import kiln.cpu._kernels as k
+
+    rng = np.random.default_rng(31)
+    q, kk, v = rand(rng, 3, 40, 4, 16), rand(rng, 3, 70, 2, 16), rand(rng, 3, 70, 2, 16)
+    d_out = rand(rng, 3, 40, 4, 16)
+    attrs = {"causal": True, "softmax_scale": None, "window_size": 30}
+    native, _ = both(tables, "attention")
+    native_b, _ = both(tables, "attention_backward")
+    results = []
+    for n in (1, 2, 5):
+        monkeypatch.setattr(k, "threads", lambda n=n: n)
+        o, lse = run(native, [q, kk, v, None], [q.shape, (3, 4, 40)], **attrs)
+        grads = run(native_b, [d_out, q, kk, v, o, lse, None, None], [q.shape, kk.shape, v.shape], **attrs)
+        results.append([o, lse, *grads])
+    assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(r, results[0], strict=True))
+
+
 ROPE = [  # (B, T, Hq, Hkv, D, rotary_dim, interleaved, weights, per-sequence positions, freqs table)
     (2, 5, 4, 2, 8, None, False, "qk", False, False),
     (1, 33, 6, 2, 12, 8, True, "q", True, False),
@@ -345,6 +484,164 @@ def test_lm_head_loss_and_grad(tables: dict[str, Any], n: int, v: int, c: int) -
     for kernel, (loss, lse, d_x, d_w) in ((native, got), (numpy, want)):
         kernel.fn(d_loss, x, w, targets, loss=loss, lse=lse, d_x=d_x, d_weight=d_w, ignore_index=-100)
     close(got, want, atol=1e-5)
+
+
+STANDALONE_ROPE = [  # (B, T, heads, head_dim, rotary_dim, interleaved, per-sequence positions, freqs table)
+    (2, 5, 3, 8, None, False, False, False),
+    (1, 33, 2, 12, 8, True, True, False),
+    (3, 7, 5, 64, None, False, False, True),
+    (2, 9, 1, 6, 4, True, True, True),
+]
+
+
+@pytest.mark.parametrize("case", STANDALONE_ROPE, ids=str)
+@pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
+def test_rope(tables: dict[str, Any], case: tuple[Any, ...], inverse: bool) -> None:
+    """Standalone rope (and its backward: rope with inverse=True) on [B, T, H * head_dim], in place too,
+    equals the NumPy kernel bit for bit; the inverse undoes the rotation."""
+    b, t, heads, hd, rotary, interleaved, per_seq, with_freqs = case
+    rng = np.random.default_rng(t + hd + heads)
+    x = rand(rng, b, t, heads * hd, scale=2)
+    rd = rotary or hd
+    freqs = rand(rng, t + 3, rd // 2, 2) if with_freqs else None
+    pos = rng.integers(0, t + 3, (b, t) if per_seq else (t,))
+    attrs = {"head_dim": hd, "rotary_dim": rotary, "theta": 500.0, "inverse": inverse,
+             "interleaved": interleaved}
+    native, numpy = both(tables, "rope")
+    assert native.inplace == {0}
+    got, want = (run(k, [x, freqs, pos], [x.shape], **attrs) for k in (native, numpy))
+    assert np.array_equal(got[0], want[0])  # the reference's products in its order: the same bits
+    y = x.copy()
+    native.fn(y, freqs, pos, out=[y], **attrs)
+    assert np.array_equal(y, got[0])
+    back = run(native, [got[0], freqs, pos], [x.shape], **{**attrs, "inverse": not inverse})[0]
+    if not with_freqs:  # a rotation (cos^2 + sin^2 = 1): the inverse gives x back
+        np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_bad_input_is_the_reference_error(tables: dict[str, Any]) -> None:
+    from kiln.core import KilnError
+
+    rng = np.random.default_rng(2)
+    x = rand(rng, 1, 4, 16)
+    native, _ = both(tables, "rope")
+    with pytest.raises(KilnError, match="rotary_dim must be even"):
+        run(native, [x, None, np.arange(4)], [x.shape], head_dim=8, rotary_dim=3, theta=1e4, inverse=False)
+    with pytest.raises(KilnError, match="position ids must lie in"):
+        run(native, [x, rand(rng, 3, 4, 2), np.arange(4)], [x.shape], head_dim=8, rotary_dim=None, theta=1e4,
+            inverse=False)
+
+
+@pytest.mark.parametrize(("q_shape", "k_shape"), [((2, 5, 4, 8), (2, 5, 2, 8)), ((3, 7), (1, 7)),
+                                                  ((1, 37, 6, 129), (1, 37, 3, 129))], ids=str)
+def test_qk_norm(tables: dict[str, Any], q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(sum(q_shape))
+    q, k = rand(rng, *q_shape, scale=2), rand(rng, *k_shape)
+    qw, kw = rand(rng, q_shape[-1]), rand(rng, k_shape[-1])
+    native, numpy = both(tables, "qk_norm")
+    got, want = (kernel.fn(q, k, qw, kw, eps=1e-5) for kernel in (native, numpy))
+    close(list(got), list(want))
+
+
+@pytest.mark.parametrize("shape", ROWS_COLS, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_layernorm_and_backward(tables: dict[str, Any], shape: tuple[int, ...], with_bias: bool) -> None:
+    """layernorm (y, mean, rstd) and its backward from d_y, d_mean and d_rstd in turn and together."""
+    rng = np.random.default_rng(sum(shape) + 23)
+    x, w = rand(rng, *shape, scale=3) + 1.5, rand(rng, shape[-1])
+    bias = rand(rng, shape[-1]) if with_bias else None
+    native, numpy = both(tables, "layernorm")
+    got, want = (kernel.fn(x, w, bias, eps=1e-5) for kernel in (native, numpy))
+    close(list(got), list(want), atol=1e-5)
+    native_b, numpy_b = both(tables, "layernorm_backward")
+    d_y, d_mean, d_rstd = rand(rng, *shape), rand(rng, *shape[:-1]), rand(rng, *shape[:-1])
+    _, mean, rstd = want
+    for grads in ((d_y, None, None), (None, d_mean, None), (None, None, d_rstd), (d_y, d_mean, d_rstd)):
+        args = (grads[0], x, mean, rstd, w, *grads[1:])
+        close(list(native_b.fn(*args)), list(numpy_b.fn(*args)), atol=1e-5)
+
+
+def test_layernorm_backward_does_not_depend_on_threads(tables: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import kiln.cpu._kernels as k
+
+    rng = np.random.default_rng(12)
+    x, w, d_y = rand(rng, 300, 48), rand(rng, 48), rand(rng, 300, 48)
+    native, _ = both(tables, "layernorm")
+    native_b, _ = both(tables, "layernorm_backward")
+    results = []
+    for n in (1, 2, 3):
+        monkeypatch.setattr(k, "threads", lambda n=n: n)
+        y, mean, rstd = native.fn(x, w, None, eps=1e-5)
+        results.append([y, mean, rstd, *native_b.fn(d_y, x, mean, rstd, w, None, None)])
+    assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(r, results[0], strict=True))
+
+
+LM_HEAD = [(1, 3, 4, 4096), (37, 1000, 24, 300), (300, 30000, 16, 4096), (700, 333, 9, 7)]  # (N, V, C, chunk)
+
+
+@pytest.mark.parametrize(("n", "v", "c", "chunk"), LM_HEAD, ids=str)
+def test_lm_head_loss_and_backward(tables: dict[str, Any], n: int, v: int, c: int, chunk: int) -> None:
+    """The LM head's forward-only loss (loss, lse over vocabulary chunks) and its separate backward
+    (d_x, d_weight from d_loss, d_lse or both), ignored rows included; ragged chunks and several tiles
+    of rows."""
+    rng = np.random.default_rng(n + v + 1)
+    x, w = rand(rng, n, c), rand(rng, v, c, scale=0.5)
+    targets = rng.integers(0, v, n)
+    targets[::3] = -100
+    attrs = {"ignore_index": -100, "chunk_size": chunk, "softcap": None}
+    native, numpy = both(tables, "fused_lm_head_loss")
+    got, want = (run(k, [x, w, targets], [(n,), (n,)], **attrs) for k in (native, numpy))
+    close(got, want)
+    assert np.all(got[0][targets == -100] == 0)
+    native_b, numpy_b = both(tables, "fused_lm_head_loss_backward")
+    d_loss, d_lse = np.abs(rand(rng, n)), rand(rng, n)
+    for dl, dlse in ((d_loss, None), (None, d_lse), (d_loss, d_lse)):
+        inputs = [dl, x, w, targets, want[1], dlse]
+        shapes = [x.shape, w.shape]
+        close(run(native_b, inputs, shapes, **attrs), run(numpy_b, inputs, shapes, **attrs), atol=1e-5)
+
+
+def test_lm_head_loss_softcap_and_bad_targets(tables: dict[str, Any]) -> None:
+    """softcap runs the NumPy kernel (the same values); a target outside the vocabulary is the reference's
+    error."""
+    from kiln.core import KilnError
+
+    rng = np.random.default_rng(4)
+    x, w, targets = rand(rng, 9, 8), rand(rng, 50, 8), rng.integers(0, 50, 9)
+    native, numpy = both(tables, "fused_lm_head_loss")
+    native_b, numpy_b = both(tables, "fused_lm_head_loss_backward")
+    attrs = {"ignore_index": -100, "chunk_size": 16, "softcap": 3.0}
+    want = run(numpy, [x, w, targets], [(9,), (9,)], **attrs)
+    close(run(native, [x, w, targets], [(9,), (9,)], **attrs), want)
+    inputs = [rand(rng, 9), x, w, targets, want[1], None]
+    shapes = [x.shape, w.shape]
+    close(run(native_b, inputs, shapes, **attrs), run(numpy_b, inputs, shapes, **attrs))
+    targets[4] = 50
+    with pytest.raises(KilnError, match="50"):
+        run(native, [x, w, targets], [(9,), (9,)], **{**attrs, "softcap": None})
+
+
+def test_lm_head_loss_does_not_depend_on_threads(tables: dict[str, Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of rows and vocabulary chunks are cut by the shapes alone, each product a BLAS call of its
+    own: the same bits on 1, 2 or 3 threads (BLAS held to one thread, as a Program run holds it)."""
+    import kiln.core._threads as kiln_threads
+
+    rng = np.random.default_rng(6)
+    n, v, c = 600, 3000, 32
+    x, w, targets, d_loss = rand(rng, n, c), rand(rng, v, c, scale=0.5), rng.integers(0, v, n), rand(rng, n)
+    attrs = {"ignore_index": -100, "chunk_size": 1000, "softcap": None}
+    native, _ = both(tables, "fused_lm_head_loss")
+    native_b, _ = both(tables, "fused_lm_head_loss_backward")
+    results = []
+    for k in (1, 2, 3):
+        monkeypatch.setattr(kiln_threads, "_pool", kiln_threads._Pool(k))
+        with kiln_threads.blas_held_to_one_thread():
+            loss, lse = run(native, [x, w, targets], [(n,), (n,)], **attrs)
+            grads = run(native_b, [d_loss, x, w, targets, lse, None], [x.shape, w.shape], **attrs)
+        results.append([loss, lse, *grads])
+    assert all(np.array_equal(a, b) for r in results[1:] for a, b in zip(r, results[0], strict=True))
 
 
 @pytest.mark.parametrize(("shape", "v", "c", "padding_idx"),

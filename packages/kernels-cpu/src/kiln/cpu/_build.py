@@ -64,6 +64,26 @@ void kiln_flash_fwd(const float *qkv, float *o, float *lse, int64_t b, int64_t t
 void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const float *lse, const float *dlse,
                     float *dqkv, int64_t b, int64_t t, int64_t hq, int64_t hkv, int64_t d, int causal,
                     int64_t window, const int32_t *seg, float scale, int nt);
+void kiln_lse_chunk(const float *z, int64_t rows, int64_t cols, int64_t v0, const int64_t *target, float *m,
+                    double *s, float *picked, int nt);
+void kiln_logits_grad(float *z, int64_t rows, int64_t cols, int64_t v0, const int64_t *target,
+                      const float *lse, const float *dl, const float *dlse, int nt);
+void kiln_rope(const float *x, const float *cos_t, const float *sin_t, int per_batch, float *out, int64_t b,
+               int64_t t, int64_t heads, int64_t hd, int64_t h, int interleaved, float sign, int nt);
+void kiln_layernorm_fwd(const float *x, const float *w, const float *bias, float *y, float *mean, float *rstd,
+                        int64_t n, int64_t c, float eps, int nt);
+void kiln_layernorm_bwd(const float *dy, const float *x, const float *mean, const float *rstd, const float *w,
+                        const float *dmean, const float *drstd, float *dx, float *dw, float *db, int64_t n,
+                        int64_t c, int nt);
+void kiln_gelu_fwd(const float *x, const float *up, float *out, int64_t size, int tanh_form, int nt);
+void kiln_gelu_bwd(const float *d, const float *x, float *dx, int64_t size, int tanh_form, int nt);
+void kiln_attention_fwd(const float *q, const float *k, const float *v, float *o, float *lse,
+                        const int64_t *st, int64_t b, int64_t tq, int64_t tk, int64_t hq, int64_t hkv,
+                        int64_t d, int causal, int64_t window, const int32_t *seg, float scale, int nt);
+void kiln_attention_bwd(const float *dout, const float *q, const float *k, const float *v, const float *o,
+                        const float *lse, const float *dlse, float *dq, float *dk, float *dv,
+                        const int64_t *st, int64_t b, int64_t tq, int64_t tk, int64_t hq, int64_t hkv,
+                        int64_t d, int causal, int64_t window, const int32_t *seg, float scale, int nt);
 """
 #: -ffp-contract=off: no fused multiply-adds, so each expression rounds as its NumPy reference does;
 #: -fno-math-errno: sqrtf and friends vectorize (nothing reads errno)

@@ -189,6 +189,53 @@ void kiln_silu_mul_bwd(const float *d, const float *g, const float *u, float *dg
     }
 }
 
+/* ---- gelu and geglu (reference: kiln.core.ops.library._elementwise) -------------------------------
+ * Exact: gelu(x) = x Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 in double, rounded once (no cancellation for
+ * negative x, where the reference's 1 + erf loses digits); its derivative Phi(x) + x phi(x).
+ * Tanh form: (1 + tanh(u)) / 2 = sigmoid(2 u), u = sqrt(2/pi) (x + 0.044715 x^3), so gelu = x s with
+ * s = sigmoid(2 u) and its derivative s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 0.044715 x^2): float32 and
+ * the vectorised exp, no cancellation either. out = gelu(x) * up when up is given (geglu). */
+static inline float gelu_tanh_s(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return sigmoid_f(2.0f * u);
+}
+
+void kiln_gelu_fwd(const float *x, const float *up, float *out, i64 size, int tanh_form, int nt) {
+    if (tanh_form && up) {
+        #pragma omp parallel for simd schedule(static) num_threads(nt)
+        for (i64 j = 0; j < size; j++) out[j] = (x[j] * gelu_tanh_s(x[j])) * up[j];
+        return;
+    }
+    if (tanh_form) {
+        #pragma omp parallel for simd schedule(static) num_threads(nt)
+        for (i64 j = 0; j < size; j++) out[j] = x[j] * gelu_tanh_s(x[j]);
+        return;
+    }
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 j = 0; j < size; j++) {
+        double xd = (double)x[j];
+        float g = (float)(0.5 * xd * erfc(-xd * 0.7071067811865476));
+        out[j] = up ? g * up[j] : g;
+    }
+}
+
+void kiln_gelu_bwd(const float *d, const float *x, float *dx, i64 size, int tanh_form, int nt) {
+    if (tanh_form) {
+        #pragma omp parallel for simd schedule(static) num_threads(nt)
+        for (i64 j = 0; j < size; j++) {
+            float xj = x[j], s = gelu_tanh_s(xj);
+            dx[j] = d[j] * (s + 2.0f * xj * s * (1.0f - s) * 0.7978845608f * (1.0f + 0.134145f * xj * xj));
+        }
+        return;
+    }
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 j = 0; j < size; j++) {
+        double xd = (double)x[j];
+        double grad = 0.5 * erfc(-xd * 0.7071067811865476) + xd * 0.3989422804014327 * exp(-0.5 * xd * xd);
+        dx[j] = (float)((double)d[j] * grad);
+    }
+}
+
 /* ---- AdamW (reference: kiln.core.ops.library._optimizer.adamw_update) ----------------------------
  * One pass over p, g, m, v with the reference's float32 operations in its order (constants rounded
  * to float32 as NumPy rounds Python floats), so the update equals it bit for bit:
@@ -288,6 +335,50 @@ void kiln_cross_entropy_bwd(const float *z, const int64_t *target, const float *
         #pragma omp simd
         for (i64 j = 0; j < v; j++) yi[j] = exp_f(zi[j] - l) * a;
         if (target[i] >= 0) yi[target[i]] -= dl[i];
+    }
+}
+
+/* ---- fused_lm_head_loss and its backward (reference: kiln.core.ops.library._loss) -----------------
+ * The logits of a tile of rows come chunk by chunk of the vocabulary (BLAS's products), z [rows, cols]
+ * for vocabulary columns [v0, v0 + cols); target[i] < 0: an ignored row.
+ * Forward, one pass per row of a chunk after its max (an online log-sum-exp): m = the running max,
+ * s = the running sum of exp(z - m) (in double), picked = the target's logit when the chunk holds it. */
+void kiln_lse_chunk(const float *z, i64 rows, i64 cols, i64 v0, const int64_t *target, float *m, double *s,
+                    float *picked, int nt) {
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 i = 0; i < rows; i++) {
+        const float *zi = z + i * cols;
+        float mx = -INFINITY;
+        #pragma omp simd reduction(max:mx)
+        for (i64 j = 0; j < cols; j++) mx = zi[j] > mx ? zi[j] : mx;
+        float mn = mx > m[i] ? mx : m[i];
+        i64 t = target[i] - v0;
+        if (t >= 0 && t < cols) picked[i] = zi[t];
+        if (mn == -INFINITY) continue;  /* every logit so far -inf: nothing to add */
+        double total = 0.0;  /* float partial sums of 256 terms (a double sum in the loop would not vectorize) */
+        for (i64 j0 = 0; j0 < cols; j0 += 256) {
+            i64 j1 = j0 + 256 < cols ? j0 + 256 : cols;
+            float part = 0.0f;
+            #pragma omp simd reduction(+:part)
+            for (i64 j = j0; j < j1; j++) part += exp_f(zi[j] - mn);
+            total += (double)part;
+        }
+        s[i] = s[i] * exp((double)m[i] - (double)mn) + total;
+        m[i] = mn;
+    }
+}
+
+/* Backward, in place: z becomes d(sum dl loss + dlse lse) / dz = exp(z - lse) (dl + dlse) - onehot dl
+ * (dl already 0 on ignored rows, dlse NULL for none). */
+void kiln_logits_grad(float *z, i64 rows, i64 cols, i64 v0, const int64_t *target, const float *lse,
+                      const float *dl, const float *dlse, int nt) {
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 i = 0; i < rows; i++) {
+        float *zi = z + i * cols, l = lse[i], a = dl[i] + (dlse ? dlse[i] : 0.0f);
+        #pragma omp simd
+        for (i64 j = 0; j < cols; j++) zi[j] = exp_f(zi[j] - l) * a;
+        i64 t = target[i] - v0;
+        if (t >= 0 && t < cols) zi[t] -= dl[i];
     }
 }
 
@@ -421,8 +512,113 @@ void kiln_qkv_norm_rope_bwd(const float *dy, const float *qkv, const float *qw, 
     free(part);
 }
 
-/* ---- attention (reference: kiln.core.ops.library._attention, flash_attention on packed qkv) ------
- * qkv rows are [q heads | k heads | v heads] (F = (Hq + 2 Hkv) D floats); a kv head's rep = Hq / Hkv
+/* ---- rope (reference: kiln.core.ops.library._attention.rope_into) --------------------------------
+ * Every head (hd floats; heads per row) of x [B, T, heads * hd] rotated by its row's tables (as
+ * qkv_qk_norm_rope's rope); sign -1: the inverse rotation (rope's backward). out may be x. */
+void kiln_rope(const float *x, const float *cos_t, const float *sin_t, int per_batch, float *out, i64 b, i64 t,
+               i64 heads, i64 hd, i64 h, int interleaved, float sign, int nt) {
+    rope_shape s = {b, t, heads, 0, hd, h, heads * hd, per_batch, interleaved, cos_t, sin_t};
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 i = 0; i < b * t; i++) {
+        i64 row = per_batch ? i : i % t;
+        const float *c = cos_t + row * h, *sn = sin_t + row * h;
+        for (i64 k = 0; k < heads; k++) rotate(&s, c, sn, x + i * s.f + k * hd, out + i * s.f + k * hd, sign);
+    }
+}
+
+/* ---- layernorm (reference: kiln.core.ops.library._norms) ------------------------------------------
+ * mean = mean(x), rstd = 1/sqrt(mean((x - mean)^2) + eps) (biased variance, both sums in double),
+ * y = ((x - mean) * rstd) * w (+ bias). */
+void kiln_layernorm_fwd(const float *x, const float *w, const float *bias, float *y, float *mean, float *rstd,
+                        i64 n, i64 c, float eps, int nt) {
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 i = 0; i < n; i++) {
+        const float *xi = x + i * c;
+        float *yi = y + i * c;
+        double s = 0.0;
+        #pragma omp simd reduction(+:s)
+        for (i64 j = 0; j < c; j++) s += (double)xi[j];
+        float mu = (float)(s / (double)c);
+        double v = 0.0;
+        #pragma omp simd reduction(+:v)
+        for (i64 j = 0; j < c; j++) {
+            float d = xi[j] - mu;
+            v += (double)d * (double)d;
+        }
+        float r = (float)(1.0 / sqrt(v / (double)c + (double)eps));
+        mean[i] = mu;
+        rstd[i] = r;
+        if (bias) {
+            #pragma omp simd
+            for (i64 j = 0; j < c; j++) yi[j] = ((xi[j] - mu) * r) * w[j] + bias[j];
+        } else {
+            #pragma omp simd
+            for (i64 j = 0; j < c; j++) yi[j] = ((xi[j] - mu) * r) * w[j];
+        }
+    }
+}
+
+/* d_x = rstd (g - mean(g) - xhat mean(g xhat)) + d_mean / C - d_rstd rstd^3 (x - mean) / C, g = d_y w,
+ * xhat = (x - mean) rstd; d_weight = sum over rows of d_y xhat, d_bias = sum of d_y, each summing fixed
+ * blocks of rows in order (in double). d_y, d_mean, d_rstd NULL: absent. */
+void kiln_layernorm_bwd(const float *dy, const float *x, const float *mean, const float *rstd, const float *w,
+                        const float *dmean, const float *drstd, float *dx, float *dw, float *db, i64 n, i64 c,
+                        int nt) {
+    i64 blocks = (n + ROW_BLOCK - 1) / ROW_BLOCK;
+    double *part = dy ? (double *)calloc((size_t)(blocks * 2 * c), sizeof(double)) : NULL;
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 b = 0; b < blocks; b++) {
+        i64 end = (b + 1) * ROW_BLOCK < n ? (b + 1) * ROW_BLOCK : n;
+        for (i64 i = b * ROW_BLOCK; i < end; i++) {
+            const float *xi = x + i * c;
+            float *dxi = dx + i * c, mu = mean[i], r = rstd[i];
+            if (dy) {
+                const float *dyi = dy + i * c;
+                double sg = 0.0, sgx = 0.0;
+                #pragma omp simd reduction(+:sg, sgx)
+                for (i64 j = 0; j < c; j++) {
+                    float g = dyi[j] * w[j];
+                    sg += (double)g;
+                    sgx += (double)g * (double)((xi[j] - mu) * r);
+                }
+                float mg = (float)(sg / (double)c), mgx = (float)(sgx / (double)c);
+                double *pw = part + b * 2 * c, *pb = pw + c;
+                #pragma omp simd
+                for (i64 j = 0; j < c; j++) {
+                    float xh = (xi[j] - mu) * r;
+                    pw[j] += (double)dyi[j] * (double)xh;
+                    pb[j] += (double)dyi[j];
+                    dxi[j] = r * (dyi[j] * w[j] - mg - xh * mgx);
+                }
+            } else {
+                memset(dxi, 0, (size_t)c * sizeof(float));
+            }
+            if (dmean) {
+                float k = dmean[i] / (float)c;
+                #pragma omp simd
+                for (i64 j = 0; j < c; j++) dxi[j] += k;
+            }
+            if (drstd) {
+                float k = drstd[i] * r * r * r / (float)c;
+                #pragma omp simd
+                for (i64 j = 0; j < c; j++) dxi[j] -= k * (xi[j] - mu);
+            }
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (i64 j = 0; j < c; j++) {
+        double sw = 0.0, sb = 0.0;
+        if (part)
+            for (i64 b = 0; b < blocks; b++) { sw += part[b * 2 * c + j]; sb += part[b * 2 * c + c + j]; }
+        dw[j] = (float)sw;
+        db[j] = (float)sb;
+    }
+    free(part);
+}
+
+/* ---- attention (reference: kiln.core.ops.library._attention: flash_attention on packed qkv, attention
+ * on separate q, k, v) -----------------------------------------------------------------------------
+ * q, k and v are rows of heads (packed qkv's three column ranges, or three arrays); a kv head's rep = Hq / Hkv
  * query heads are stacked into one block of rows so that every load of K and V serves the group.
  * Blocks of rows x 64 keys, an online softmax in the forward, the saved lse in the backward (FlashAttention-2).
  * The block products are register-tiled: 4 rows x 64 columns (or 4 rows x up to 64 of D) in 16-float
@@ -527,16 +723,30 @@ static void mk_tn(const float *p, const float *a, float *out, i64 dp, i64 kn) {
     }
 }
 
+/* rows of a [B, T, H * D] tensor (the heads of a row D apart, a head's D floats contiguous): its base and
+ * the floats between sequences (bs) and between positions (rs); packed qkv's q, k and v are three such
+ * views of one array, separate q, k and v (or views of one) three arrays */
 typedef struct {
-    i64 b, t, hq, hkv, d, dp, rep, f, qp; /* qp: positions per block of rows (rep * qp rows) */
+    const float *p;
+    i64 bs, rs;
+} rows_t;
+
+typedef struct {
+    float *p;
+    i64 bs, rs;
+} wrows_t;
+
+typedef struct {
+    i64 b, tq, tk, off, hq, hkv, d, dp, rep, qp; /* off = Tk - Tq: query i sits at key position i + off;
+                                                    qp: query positions per block of rows (rep * qp rows) */
     int causal;
     i64 window;        /* 0: none */
-    const int32_t *seg; /* [B, T] or NULL */
+    const int32_t *seg; /* [B, Tk] or NULL */
 } attn_shape;
 
-/* scores of query position p against keys [k0, k0 + KB) that it does not see set to -inf: keys
- * outside [p - window + 1, p] (causal) or (p - window, p + window) (not), other segments, the padding
- * past kn (the reference's _keep and _segment_keep) */
+/* scores of the query at key position p against keys [k0, k0 + KB) that it does not see set to -inf:
+ * keys outside [p - window + 1, p] (causal) or (p - window, p + window) (not), other segments, the
+ * padding past kn (the reference's _keep and _segment_keep) */
 static void mask_row(const attn_shape *s, i64 b, i64 p, i64 k0, i64 kn, float *x) {
     i64 lo = s->window ? p - s->window + 1 - k0 : 0;
     i64 hi = s->causal ? p + 1 - k0 : (s->window ? p + s->window - k0 : kn);
@@ -544,69 +754,78 @@ static void mask_row(const attn_shape *s, i64 b, i64 p, i64 k0, i64 kn, float *x
     for (i64 j = 0; j < KB; j++)
         if (j < lo || j >= hi) x[j] = -INFINITY;
     if (s->seg) {
-        const int32_t *seg = s->seg + b * s->t, mine = seg[p];
+        const int32_t *seg = s->seg + b * s->tk, mine = seg[p];
         for (i64 j = 0; j < kn; j++)
             if (seg[k0 + j] != mine) x[j] = -INFINITY;
     }
 }
 
-/* the key blocks [k0, k1) rows [t0, t1) may see: none before lo, none from hi (causal and window) */
+/* the keys [lo, hi) query rows [t0, t1) may see: none before lo, none from hi (causal and window);
+ * lo rounded down to a block of keys; hi <= lo: none */
 static inline void key_range(const attn_shape *s, i64 t0, i64 t1, i64 *lo, i64 *hi) {
+    i64 p0 = t0 + s->off, p1 = t1 + s->off;
     *lo = 0;
-    *hi = s->t;
-    if (s->causal) *hi = t1;
+    *hi = s->tk;
+    if (s->causal && p1 < *hi) *hi = p1;
     if (s->window) {
-        i64 first = t0 - s->window + 1;
+        i64 first = p0 - s->window + 1;
         *lo = first > 0 ? first : 0;
-        if (!s->causal && t1 - 1 + s->window < *hi) *hi = t1 - 1 + s->window;
+        if (!s->causal && p1 - 1 + s->window < *hi) *hi = p1 - 1 + s->window;
     }
+    if (*hi < 0) *hi = 0;
     *lo = (*lo / KB) * KB;
 }
 
 /* whether a block needs its mask applied (else every pair in it is kept) */
 static inline int block_masked(const attn_shape *s, i64 t0, i64 t1, i64 k0, i64 k1) {
+    i64 p0 = t0 + s->off, p1 = t1 + s->off;
     if (s->seg || k1 - k0 < KB) return 1;
-    if (s->causal && k1 - 1 > t0) return 1;
-    if (s->window && (k0 <= t1 - 1 - s->window || (!s->causal && k1 - 1 >= t0 + s->window))) return 1;
+    if (s->causal && k1 - 1 > p0) return 1;
+    if (s->window && (k0 <= p1 - 1 - s->window || (!s->causal && k1 - 1 >= p0 + s->window))) return 1;
     return 0;
 }
 
 /* rows of one block: row r is query head (g rep + r / n) at position t0 + r % n (n positions) */
-static void gather_rows(const float *src, i64 stride, i64 col0, const attn_shape *s, i64 b, i64 t0, i64 n,
-                        float factor, float *dst) {
+static void gather_rows(rows_t x, i64 col0, const attn_shape *s, i64 b, i64 t0, i64 n, float factor,
+                        float *dst) {
     for (i64 r = 0; r < s->rep * n; r++) {
-        const float *x = src + (b * s->t + t0 + r % n) * stride + col0 + (r / n) * s->d;
+        const float *src = x.p + b * x.bs + (t0 + r % n) * x.rs + col0 + (r / n) * s->d;
         float *y = dst + r * s->dp;
-        for (i64 j = 0; j < s->d; j++) y[j] = x[j] * factor;
+        for (i64 j = 0; j < s->d; j++) y[j] = src[j] * factor;
     }
 }
 
-/* the keys of kv head column col0 of sequence b: transposed (kt[dp][tp]) and/or as rows (kr[tp][dp]),
- * zero past T (tp: T rounded up to KB) and past D */
-static void gather_keys(const float *qkv, const attn_shape *s, i64 b, i64 col0, i64 tp, float *kt, float *kr) {
+/* the Tk keys of kv head g of sequence b: transposed (kt[dp][tp]) and/or as rows (kr[tp][dp]), zero
+ * past Tk (tp: Tk rounded up to KB) and past D */
+static void gather_keys(rows_t x, const attn_shape *s, i64 b, i64 g, i64 tp, float *kt, float *kr) {
     if (kt) memset(kt, 0, (size_t)(s->dp * tp) * sizeof(float));
     if (kr) memset(kr, 0, (size_t)(s->dp * tp) * sizeof(float));
-    const float *base = qkv + b * s->t * s->f + col0;
+    const float *base = x.p + b * x.bs + g * s->d;
     if (kr)
-        for (i64 j = 0; j < s->t; j++) memcpy(kr + j * s->dp, base + j * s->f, (size_t)s->d * sizeof(float));
+        for (i64 j = 0; j < s->tk; j++) memcpy(kr + j * s->dp, base + j * x.rs, (size_t)s->d * sizeof(float));
     if (kt)  /* transposed 16 keys at a time: the 16 source rows stay in L1 while their columns go out */
-        for (i64 j0 = 0; j0 < s->t; j0 += 16) {
-            i64 jn = s->t - j0 < 16 ? s->t - j0 : 16;
+        for (i64 j0 = 0; j0 < s->tk; j0 += 16) {
+            i64 jn = s->tk - j0 < 16 ? s->tk - j0 : 16;
             for (i64 e = 0; e < s->d; e++) {
                 float *y = kt + e * tp + j0;
-                const float *x = base + j0 * s->f + e;
-                for (i64 j = 0; j < jn; j++) y[j] = x[j * s->f];
+                const float *src = base + j0 * x.rs + e;
+                for (i64 j = 0; j < jn; j++) y[j] = src[j * x.rs];
             }
         }
 }
 
 static void *zalloc(i64 floats) { return calloc((size_t)floats, sizeof(float)); }
 
-void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b_, i64 t_, i64 hq, i64 hkv, i64 d,
-                    int causal, i64 window, const int32_t *seg, float scale, int nt) {
-    attn_shape s = {b_, t_, hq, hkv, d, (d + 15) / 16 * 16, hq / hkv, (hq + 2 * hkv) * d, 0, causal, window, seg};
+static attn_shape make_shape(i64 b, i64 tq, i64 tk, i64 hq, i64 hkv, i64 d, int causal, i64 window,
+                             const int32_t *seg) {
+    attn_shape s = {b, tq, tk, tk - tq, hq, hkv, d, (d + 15) / 16 * 16, hq / hkv, 0, causal, window, seg};
     s.qp = KB / s.rep > 0 ? KB / s.rep : 1;
-    i64 blocks = (s.t + s.qp - 1) / s.qp, items = s.b * s.hkv, tp = (s.t + KB - 1) / KB * KB;
+    return s;
+}
+
+/* o and lse ([B, Hq, Tq], contiguous) of q over k and v; one (sequence, kv head) per work item */
+static void attn_fwd(rows_t qx, rows_t kx, rows_t vx, wrows_t ox, float *lse, attn_shape s, float scale, int nt) {
+    i64 blocks = (s.tq + s.qp - 1) / s.qp, items = s.b * s.hkv, tp = (s.tk + KB - 1) / KB * KB;
     i64 rows4 = (s.rep * s.qp + 3) / 4 * 4;
     #pragma omp parallel num_threads(nt)
     {
@@ -615,13 +834,13 @@ void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b_, i64 t_, i64 
         #pragma omp for schedule(dynamic, 1)
         for (i64 it = 0; it < items; it++) {
             i64 b = it / s.hkv, g = it % s.hkv;
-            gather_keys(qkv, &s, b, (s.hq + g) * s.d, tp, kt, NULL);
-            gather_keys(qkv, &s, b, (s.hq + s.hkv + g) * s.d, tp, NULL, vr);
+            gather_keys(kx, &s, b, g, tp, kt, NULL);
+            gather_keys(vx, &s, b, g, tp, NULL, vr);
             for (i64 qb = 0; qb < blocks; qb++) {
-                i64 t0 = qb * s.qp, t1 = t0 + s.qp < s.t ? t0 + s.qp : s.t, n = t1 - t0;
+                i64 t0 = qb * s.qp, t1 = t0 + s.qp < s.tq ? t0 + s.qp : s.tq, n = t1 - t0;
                 i64 rows = s.rep * n, r4 = (rows + 3) / 4 * 4;
                 memset(q, 0, (size_t)(r4 * s.dp) * sizeof(float));
-                gather_rows(qkv, s.f, g * s.rep * s.d, &s, b, t0, n, scale, q);
+                gather_rows(qx, g * s.rep * s.d, &s, b, t0, n, scale, q);
                 memset(acc, 0, (size_t)(r4 * s.dp) * sizeof(float));
                 memset(sc, 0, (size_t)(r4 * KB) * sizeof(float));  /* padding rows stay 0 */
                 for (i64 r = 0; r < r4; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
@@ -633,7 +852,7 @@ void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b_, i64 t_, i64 
                     int masked = block_masked(&s, t0, t1, k0, k1);
                     for (i64 r = 0; r < rows; r++) {
                         float *x = sc + r * KB;
-                        if (masked) mask_row(&s, b, t0 + r % n, k0, kn, x);
+                        if (masked) mask_row(&s, b, t0 + r % n + s.off, k0, kn, x);
                         float mx = -INFINITY;
                         #pragma omp simd reduction(max:mx)
                         for (i64 j = 0; j < KB; j++) mx = x[j] > mx ? x[j] : mx;
@@ -651,9 +870,9 @@ void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b_, i64 t_, i64 
                 }
                 for (i64 r = 0; r < rows; r++) {
                     i64 h = g * s.rep + r / n, p = t0 + r % n;
-                    float *y = o + (b * s.t + p) * s.hq * s.d + h * s.d, inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+                    float *y = ox.p + b * ox.bs + p * ox.rs + h * s.d, inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
                     for (i64 e = 0; e < s.d; e++) y[e] = acc[r * s.dp + e] * inv;
-                    lse[(b * s.hq + h) * s.t + p] = l[r] > 0 ? m[r] + logf(l[r]) : INFINITY;
+                    lse[(b * s.hq + h) * s.tq + p] = l[r] > 0 ? m[r] + logf(l[r]) : INFINITY;
                 }
             }
         }
@@ -663,13 +882,10 @@ void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b_, i64 t_, i64 
 
 /* dS = P (dP - rowsum(dO O) + d_lse), P = exp(S - lse); dQ = scale dS K, dK = dS^T (scale Q), dV = P^T dO.
  * One (sequence, kv head) per work item: its dK and dV sum over every query block in order. */
-void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const float *lse, const float *dlse,
-                    float *dqkv, i64 b_, i64 t_, i64 hq, i64 hkv, i64 d, int causal, i64 window,
-                    const int32_t *seg, float scale, int nt) {
-    attn_shape s = {b_, t_, hq, hkv, d, (d + 15) / 16 * 16, hq / hkv, (hq + 2 * hkv) * d, 0, causal, window, seg};
-    s.qp = KB / s.rep > 0 ? KB / s.rep : 1;
-    i64 blocks = (s.t + s.qp - 1) / s.qp, items = s.b * s.hkv, tp = (s.t + KB - 1) / KB * KB;
-    i64 rows4 = (s.rep * s.qp + 3) / 4 * 4, hd = s.hq * s.d;
+static void attn_bwd(rows_t dox, rows_t qx, rows_t kx, rows_t vx, rows_t ox, const float *lse, const float *dlse,
+                     wrows_t dqx, wrows_t dkx, wrows_t dvx, attn_shape s, float scale, int nt) {
+    i64 blocks = (s.tq + s.qp - 1) / s.qp, items = s.b * s.hkv, tp = (s.tk + KB - 1) / KB * KB;
+    i64 rows4 = (s.rep * s.qp + 3) / 4 * 4;
     #pragma omp parallel num_threads(nt)
     {
         float *q = zalloc(rows4 * s.dp), *dor = zalloc(rows4 * s.dp), *dq = zalloc(rows4 * s.dp);
@@ -679,27 +895,27 @@ void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const f
         #pragma omp for schedule(dynamic, 1)
         for (i64 it = 0; it < items; it++) {
             i64 b = it / s.hkv, g = it % s.hkv;
-            gather_keys(qkv, &s, b, (s.hq + g) * s.d, tp, kt, kr);
-            gather_keys(qkv, &s, b, (s.hq + s.hkv + g) * s.d, tp, vt, NULL);
+            gather_keys(kx, &s, b, g, tp, kt, kr);
+            gather_keys(vx, &s, b, g, tp, vt, NULL);
             memset(dk, 0, (size_t)(tp * s.dp) * sizeof(float));
             memset(dv, 0, (size_t)(tp * s.dp) * sizeof(float));
             for (i64 qb = 0; qb < blocks; qb++) {
-                i64 t0 = qb * s.qp, t1 = t0 + s.qp < s.t ? t0 + s.qp : s.t, n = t1 - t0;
+                i64 t0 = qb * s.qp, t1 = t0 + s.qp < s.tq ? t0 + s.qp : s.tq, n = t1 - t0;
                 i64 rows = s.rep * n, r4 = (rows + 3) / 4 * 4;
                 memset(q, 0, (size_t)(r4 * s.dp) * sizeof(float));
                 memset(dor, 0, (size_t)(r4 * s.dp) * sizeof(float));
                 memset(dq, 0, (size_t)(r4 * s.dp) * sizeof(float));
-                gather_rows(qkv, s.f, g * s.rep * s.d, &s, b, t0, n, scale, q);
-                if (dout) gather_rows(dout, hd, g * s.rep * s.d, &s, b, t0, n, 1.0f, dor);
+                gather_rows(qx, g * s.rep * s.d, &s, b, t0, n, scale, q);
+                if (dox.p) gather_rows(dox, g * s.rep * s.d, &s, b, t0, n, 1.0f, dor);
                 for (i64 r = 0; r < r4; r++) {
                     lr[r] = INFINITY;  /* padding rows: P = 0 */
                     shift[r] = 0.0f;
                     if (r >= rows) continue;
                     i64 h = g * s.rep + r / n, pos = t0 + r % n;
-                    lr[r] = lse[(b * s.hq + h) * s.t + pos];
-                    float sh = dlse ? dlse[(b * s.hq + h) * s.t + pos] : 0.0f;
-                    if (dout) {
-                        const float *orow = o + (b * s.t + pos) * hd + h * s.d;
+                    lr[r] = lse[(b * s.hq + h) * s.tq + pos];
+                    float sh = dlse ? dlse[(b * s.hq + h) * s.tq + pos] : 0.0f;
+                    if (dox.p) {
+                        const float *orow = ox.p + b * ox.bs + pos * ox.rs + h * s.d;
                         float dot = 0.0f;
                         #pragma omp simd reduction(+:dot)
                         for (i64 e = 0; e < s.d; e++) dot += dor[r * s.dp + e] * orow[e];
@@ -715,11 +931,11 @@ void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const f
                     int masked = block_masked(&s, t0, t1, k0, k1);
                     for (i64 r = 0; r < r4; r++) {
                         float *x = p + r * KB, lv = lr[r];
-                        if (masked && r < rows) mask_row(&s, b, t0 + r % n, k0, kn, x);
+                        if (masked && r < rows) mask_row(&s, b, t0 + r % n + s.off, k0, kn, x);
                         #pragma omp simd
                         for (i64 j = 0; j < KB; j++) x[j] = exp_f(x[j] - lv);
                     }
-                    if (dout) {
+                    if (dox.p) {
                         for (i64 r = 0; r < r4; r += 4) mk_tn(p + r * KB, dor + r * s.dp, dv + k0 * s.dp, s.dp, kn);
                         for (i64 r = 0; r < r4; r += 4) mk_ab(dor + r * s.dp, vt + k0, tp, ds + r * KB, s.dp);
                     } else {
@@ -735,18 +951,58 @@ void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const f
                 }
                 for (i64 r = 0; r < rows; r++) {
                     i64 h = g * s.rep + r / n, pos = t0 + r % n;
-                    float *y = dqkv + (b * s.t + pos) * s.f + h * s.d;
+                    float *y = dqx.p + b * dqx.bs + pos * dqx.rs + h * s.d;
                     for (i64 e = 0; e < s.d; e++) y[e] = dq[r * s.dp + e] * scale;
                 }
             }
-            for (i64 j = 0; j < s.t; j++) {
-                float *yk = dqkv + (b * s.t + j) * s.f + (s.hq + g) * s.d;
-                float *yv = dqkv + (b * s.t + j) * s.f + (s.hq + s.hkv + g) * s.d;
-                memcpy(yk, dk + j * s.dp, (size_t)s.d * sizeof(float));
-                memcpy(yv, dv + j * s.dp, (size_t)s.d * sizeof(float));
+            for (i64 j = 0; j < s.tk; j++) {
+                memcpy(dkx.p + b * dkx.bs + j * dkx.rs + g * s.d, dk + j * s.dp, (size_t)s.d * sizeof(float));
+                memcpy(dvx.p + b * dvx.bs + j * dvx.rs + g * s.d, dv + j * s.dp, (size_t)s.d * sizeof(float));
             }
         }
         free(q); free(dor); free(dq); free(kt); free(kr); free(vt); free(p); free(ds); free(lr); free(shift);
         free(dk); free(dv);
     }
+}
+
+/* flash_attention on packed qkv rows [q heads | k heads | v heads] (F = (Hq + 2 Hkv) D floats) */
+void kiln_flash_fwd(const float *qkv, float *o, float *lse, i64 b, i64 t, i64 hq, i64 hkv, i64 d,
+                    int causal, i64 window, const int32_t *seg, float scale, int nt) {
+    i64 f = (hq + 2 * hkv) * d;
+    rows_t q = {qkv, t * f, f}, k = {qkv + hq * d, t * f, f}, v = {qkv + (hq + hkv) * d, t * f, f};
+    wrows_t ox = {o, t * hq * d, hq * d};
+    attn_fwd(q, k, v, ox, lse, make_shape(b, t, t, hq, hkv, d, causal, window, seg), scale, nt);
+}
+
+void kiln_flash_bwd(const float *dout, const float *qkv, const float *o, const float *lse, const float *dlse,
+                    float *dqkv, i64 b, i64 t, i64 hq, i64 hkv, i64 d, int causal, i64 window,
+                    const int32_t *seg, float scale, int nt) {
+    i64 f = (hq + 2 * hkv) * d, hd = hq * d;
+    rows_t q = {qkv, t * f, f}, k = {qkv + hq * d, t * f, f}, v = {qkv + (hq + hkv) * d, t * f, f};
+    rows_t dox = {dout, t * hd, hd}, ox = {o, t * hd, hd};
+    wrows_t dq = {dqkv, t * f, f}, dk = {dqkv + hq * d, t * f, f}, dv = {dqkv + (hq + hkv) * d, t * f, f};
+    attn_bwd(dox, q, k, v, ox, lse, dlse, dq, dk, dv, make_shape(b, t, t, hq, hkv, d, causal, window, seg),
+             scale, nt);
+}
+
+/* attention on separate q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (and o, d_out, dq, dk, dv), each with
+ * its own sequence and position strides st[2 i], st[2 i + 1] in floats (q, k, v, o, then d_out, dq, dk,
+ * dv); query i sits at key position i + Tk - Tq (the reference's bottom-right alignment) */
+void kiln_attention_fwd(const float *q, const float *k, const float *v, float *o, float *lse, const i64 *st,
+                        i64 b, i64 tq, i64 tk, i64 hq, i64 hkv, i64 d, int causal, i64 window,
+                        const int32_t *seg, float scale, int nt) {
+    rows_t qx = {q, st[0], st[1]}, kx = {k, st[2], st[3]}, vx = {v, st[4], st[5]};
+    wrows_t ox = {o, st[6], st[7]};
+    attn_fwd(qx, kx, vx, ox, lse, make_shape(b, tq, tk, hq, hkv, d, causal, window, seg), scale, nt);
+}
+
+void kiln_attention_bwd(const float *dout, const float *q, const float *k, const float *v, const float *o,
+                        const float *lse, const float *dlse, float *dq, float *dk, float *dv, const i64 *st,
+                        i64 b, i64 tq, i64 tk, i64 hq, i64 hkv, i64 d, int causal, i64 window,
+                        const int32_t *seg, float scale, int nt) {
+    rows_t qx = {q, st[0], st[1]}, kx = {k, st[2], st[3]}, vx = {v, st[4], st[5]}, ox = {o, st[6], st[7]};
+    rows_t dox = {dout, st[8], st[9]};
+    wrows_t dqx = {dq, st[10], st[11]}, dkx = {dk, st[12], st[13]}, dvx = {dv, st[14], st[15]};
+    attn_bwd(dox, qx, kx, vx, ox, lse, dlse, dqx, dkx, dvx, make_shape(b, tq, tk, hq, hkv, d, causal, window, seg),
+             scale, nt);
 }
