@@ -13,6 +13,7 @@ from kiln.core import get_registry
 
 def main(out: str) -> None:
     comm = get_registry("communicators")["nccl"]
+    cupy.cuda.Device(comm.device).use()  # the buffer on the rank's GPU, the one NCCL runs on
     buf = cupy.arange(8, dtype=cupy.float32) * (comm.rank + 1)
     comm.all_reduce(buf)
     comm.barrier()

@@ -3,7 +3,12 @@ memory is host memory whose addresses stand for device pointers): a communicator
 buffers (as ``nccl`` does) gets one flat device buffer per bucket, never a host array, and the
 gradients and parameters end as the NumPy reference leaves them; any other communicator runs the
 reference on host copies. A stand-in communicator plays this rank and another rank whose buffers
-are derived from this rank's, so the sums are known without a second process."""
+are derived from this rank's, so the sums are known without a second process.
+
+The overlapped ops (``*_start``/``*_wait``) run on a stand-in device with a communication stream
+whose collectives wait in a queue until the compute stream waits on an event recorded after them
+(as on a GPU, where NCCL runs them asynchronously): a wait that did not make the compute stream wait
+would unpack a bucket not yet summed. It counts the bytes copied to and from the host."""
 
 from __future__ import annotations
 
@@ -17,15 +22,31 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.core import PluginSession, get_registry
+from kiln.core import KilnError, PluginSession, get_registry
 from kiln.dist import launcher
 from kiln.dist._cuda import (
+    IN_FLIGHT,
     CudaBuffer,
     cuda_bucket_all_gather,
     cuda_bucket_all_reduce,
+    cuda_bucket_all_reduce_start,
+    cuda_bucket_all_reduce_wait,
     cuda_bucket_reduce_scatter,
+    cuda_bucket_reduce_scatter_start,
+    cuda_bucket_reduce_scatter_wait,
+    cuda_sharded_grad_norm,
 )
-from kiln.dist._ops import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
+from kiln.dist._ops import (
+    PENDING,
+    bucket_all_gather,
+    bucket_all_reduce,
+    bucket_all_reduce_start,
+    bucket_all_reduce_wait,
+    bucket_reduce_scatter,
+    bucket_reduce_scatter_start,
+    bucket_reduce_scatter_wait,
+    sharded_grad_norm,
+)
 
 pytest.importorskip("kiln.cuda", reason="the cuda backend is kiln-kernels-cuda's")
 from kiln.cuda import EmulatedDevice
@@ -41,27 +62,110 @@ def _view(buf: Any) -> np.ndarray:
     return np.frombuffer(raw, buf.dtype)
 
 
+class Streams(EmulatedDevice):
+    """The emulator with a communication stream: a collective enqueued there (``stream=COMM``) waits in
+    ``queue`` until the compute stream waits on an event recorded after it, or a synchronisation;
+    ``to_host``/``to_device`` count the bytes copied between host and device."""
+
+    COMPUTE, COMM = 101, 202
+
+    def __init__(self, cache: Path) -> None:
+        super().__init__(cache=cache)
+        self.queue: list[Any] = []
+        self.ran, self.to_host, self.to_device = 0, 0, 0
+        self.marks: dict[int, int] = {}  # event -> the collectives queued before it was recorded on comm
+        self.log: list[tuple[Any, ...]] = []  # device copies (dst, src) and the compute stream's waits
+
+    def stream_handle(self, name: str = "compute") -> int:
+        return {"compute": self.COMPUTE, "comm": self.COMM}[name]
+
+    def record(self, event: int, stream: str) -> None:
+        if stream == "comm":
+            self.marks[event] = len(self.queue)
+        else:
+            super().record(event, stream)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.log.append(("copy", dst, src))
+        super().copy(dst, src, nbytes)
+
+    def waited_before_unpacking(self, arrays: list[DeviceArray]) -> bool:
+        """Whether the compute stream waited on a communication-stream event before the first copy
+        into one of ``arrays`` (the unpacking)."""
+        ptrs = {a.ptr for a in arrays}
+        first = next(i for i, e in enumerate(self.log) if e[0] == "copy" and e[1] in ptrs)
+        return ("wait", "compute", "comm") in self.log[:first]
+
+    def wait(self, stream: str, event: int) -> None:
+        self.log.append(("wait", stream, "comm" if event in self.marks else "compute"))
+        if stream == "compute" and event in self.marks:
+            self._run(self.marks[event])
+        else:  # the communication stream waits for compute work: done already (it runs at once)
+            super().wait(stream, event)
+
+    def _run(self, upto: int) -> None:
+        while self.ran < upto:
+            self.queue[self.ran]()
+            self.ran += 1
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self._run(len(self.queue))
+
+    def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+        self.to_host += nbytes
+        return super().copy_to_host(ptr, nbytes)
+
+    def copy_to_device(self, ptr: int, value: np.ndarray) -> None:
+        self.to_device += value.nbytes
+        super().copy_to_device(ptr, value)
+
+
 class Pair:
     """Rank ``rank`` of two; the other rank's buffers are this rank's times 3 (sums) or plus 100
     (gathers). ``got`` records the type of every buffer handed to a collective."""
 
     name, world_size = "pair", 2
+    COMM = Streams.COMM
 
-    def __init__(self, rank: int, device_buffers: bool) -> None:
-        self.rank, self.device_buffers, self.got = rank, device_buffers, []
+    def __init__(self, rank: int, device_buffers: bool, device: Any = None) -> None:
+        self.rank, self.device_buffers, self.got, self.device = rank, device_buffers, [], device
+        self.streams: list[Any] = []  # the stream each device collective was handed
 
-    def all_reduce(self, buf: Any) -> None:
+    def _run(self, work: Any, stream: Any) -> None:
+        """On the stand-in device's communication stream: queued; else now."""
+        self.streams.append(stream)
+        if self.device is not None and stream == self.COMM:
+            self.device.queue.append(work)
+        else:
+            work()
+
+    def all_reduce(self, buf: Any, *, stream: Any = None) -> None:
         self.got.append(type(buf))
-        v = _view(buf)
-        v += 3 * v
 
-    def reduce_scatter(self, send: Any, recv: Any) -> None:
+        def work() -> None:
+            v = _view(buf)
+            v += 3 * v
+
+        if isinstance(buf, np.ndarray):
+            work()
+        else:
+            self._run(work, stream)
+
+    def reduce_scatter(self, send: Any, recv: Any, *, stream: Any = None) -> None:
         self.got += [type(send), type(recv)]
-        s, r = _view(send), _view(recv)
-        chunk = r.size
-        r[...] = 4 * s[self.rank * chunk:(self.rank + 1) * chunk]
 
-    def all_gather(self, send: Any, recv: Any) -> None:
+        def work() -> None:
+            s, r = _view(send), _view(recv)
+            chunk = r.size
+            r[...] = 4 * s[self.rank * chunk:(self.rank + 1) * chunk]
+
+        if isinstance(send, np.ndarray):
+            work()
+        else:
+            self._run(work, stream)
+
+    def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
         self.got += [type(send), type(recv)]
         s, r = _view(send), _view(recv)
         chunk = s.size
@@ -152,7 +256,202 @@ def test_the_cuda_backend_runs_these_kernels_for_the_bucket_ops() -> None:
             for dtype in ("float32", "bfloat16"):
                 found = kernels.find(op, "cuda", dtype)
                 assert found is not None and found.fn is fn, (op, dtype)
-        assert kernels.find("bucket_all_reduce_start", "cuda", "float32") is None  # the host path
+        for op, fn in (("bucket_all_reduce_start", cuda_bucket_all_reduce_start),
+                       ("bucket_all_reduce_wait", cuda_bucket_all_reduce_wait),
+                       ("bucket_reduce_scatter_start", cuda_bucket_reduce_scatter_start),
+                       ("bucket_reduce_scatter_wait", cuda_bucket_reduce_scatter_wait),
+                       ("sharded_grad_norm", cuda_sharded_grad_norm)):
+            found = kernels.find(op, "cuda", "float32")
+            assert found is not None and found.fn is fn, op
+
+
+OVERLAPPED = [(cuda_bucket_all_reduce_start, cuda_bucket_all_reduce_wait, bucket_all_reduce_start,
+               bucket_all_reduce_wait, {"bucket": 3}),
+              (cuda_bucket_reduce_scatter_start, cuda_bucket_reduce_scatter_wait, bucket_reduce_scatter_start,
+               bucket_reduce_scatter_wait, {"bucket": 3, "owners": OWNERS})]
+
+
+@pytest.fixture
+def streams(tmp_path_factory: pytest.TempPathFactory) -> Streams:
+    return Streams(tmp_path_factory.getbasetemp() / "emulated")
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["as-sent", "changed-after-the-start"])
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(("start", "wait", "ref_start", "ref_wait", "attrs"), OVERLAPPED,
+                         ids=["all_reduce", "reduce_scatter"])
+def test_overlapped_collectives_run_on_the_communication_stream_without_host_copies(
+        streams: Streams, start: Any, wait: Any, ref_start: Any, ref_wait: Any, attrs: dict[str, Any],
+        rank: int, changed: bool) -> None:
+    """The start packs on the device and enqueues the collective on the communication stream (nothing
+    summed yet, nothing copied to or from the host); the wait makes the compute stream wait, then
+    unpacks: the reference's results. A gradient changed between them (micro-batches) is summed
+    again as it is then; the one number read back is whether it changed."""
+    with PluginSession().activate():
+        comm = Pair(rank, device_buffers=True, device=streams)
+        get_registry("communicators").register("pair", comm)
+        host = _tensors(rank)
+        expected = [a.copy() for a in host]
+        ref_start(*expected, communicator="pair", **attrs)
+        if changed:
+            expected[1] += 1
+        ref_wait(*expected, communicator="pair", **attrs)
+        arrays = _on_device(streams, host)
+        streams.to_host = streams.to_device = 0
+        comm.got.clear()
+        start(*arrays, communicator="pair", step=1, lr=0.0, scale=1.0, **attrs)
+        assert (streams.to_host, streams.to_device) == (0, 0)
+        assert comm.streams == [Streams.COMM] and len(streams.queue) == 1 and streams.ran == 0  # in flight
+        for got, sent in zip(_read(streams, arrays), host, strict=True):
+            np.testing.assert_array_equal(got, sent)  # the gradients untouched while it runs
+        if changed:
+            streams.copy_to_device(arrays[1].ptr, host[1] + 1)
+        streams.to_host = streams.to_device = 0
+        wait(*arrays, communicator="pair", step=1, lr=0.0, scale=1.0, **attrs)
+        assert (streams.to_host, streams.to_device) == (4, 0)  # whether a gradient changed: one float
+        assert streams.ran == len(streams.queue) == 1  # the started collective has run
+        assert comm.streams == [Streams.COMM] + [Streams.COMPUTE] * changed  # again, on the compute stream
+        assert set(comm.got) == {CudaBuffer, np.ndarray}  # the bucket on the device; the flag on the host
+        assert streams.waited_before_unpacking(arrays)
+        for got, want in zip(_read(streams, arrays), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert not IN_FLIGHT and not PENDING
+
+
+@pytest.mark.parametrize(("start", "wait", "ref_start", "ref_wait", "attrs"), OVERLAPPED,
+                         ids=["all_reduce", "reduce_scatter"])
+def test_a_wait_that_does_not_make_the_compute_stream_wait_is_caught(
+        streams: Streams, monkeypatch: pytest.MonkeyPatch, start: Any, wait: Any, ref_start: Any,
+        ref_wait: Any, attrs: dict[str, Any]) -> None:
+    """Without the wait's event the compute stream would unpack before the sum is known to have landed
+    (here the device synchronisation of the change test still lets it land: the order is what shows)."""
+    from kiln.dist import _cuda
+
+    monkeypatch.setattr(_cuda._InFlight, "wait", lambda self: None)
+    with PluginSession().activate():
+        comm = Pair(0, device_buffers=True, device=streams)
+        get_registry("communicators").register("pair", comm)
+        host = _tensors(0)
+        expected = [a.copy() for a in host]
+        ref_start(*expected, communicator="pair", **attrs)
+        ref_wait(*expected, communicator="pair", **attrs)
+        arrays = _on_device(streams, host)
+        streams.log.clear()
+        start(*arrays, communicator="pair", **attrs)
+        wait(*arrays, communicator="pair", **attrs)
+        assert not streams.waited_before_unpacking(arrays)
+
+
+def test_micro_batches_wait_for_the_bucket_in_flight_before_starting_it_again(streams: Streams) -> None:
+    with PluginSession().activate():
+        comm = Pair(0, device_buffers=True, device=streams)
+        get_registry("communicators").register("pair", comm)
+        host = _tensors(0)
+        expected = [a.copy() for a in host]
+        for _ in range(2):
+            bucket_all_reduce_start(*expected, communicator="pair", bucket=0)
+        bucket_all_reduce_wait(*expected, communicator="pair", bucket=0)
+        arrays = _on_device(streams, host)
+        for _ in range(2):  # the second backward's start: the first's sum waited for and let go
+            cuda_bucket_all_reduce_start(*arrays, communicator="pair", bucket=0)
+        assert streams.ran == 1 and len(streams.queue) == 2 and len(IN_FLIGHT) == 1
+        cuda_bucket_all_reduce_wait(*arrays, communicator="pair", bucket=0)
+        for got, want in zip(_read(streams, arrays), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        with pytest.raises(KilnError, match="bucket_all_reduce_wait of bucket 0 over 'pair': no "
+                                            "bucket_all_reduce_start of that bucket is in flight"):
+            cuda_bucket_all_reduce_wait(*arrays, communicator="pair", bucket=0)
+
+
+@pytest.mark.parametrize("over", [None, "pair"], ids=["one-axis", "grid"])
+def test_sharded_grad_norm_sums_the_squares_on_the_device(streams: Streams, over: str | None) -> None:
+    """One scalar collective on the compute stream, the norm written on the device, nothing read back;
+    the reference's norm (float32 sums in another order)."""
+    with PluginSession().activate():
+        comm = Pair(0, device_buffers=True, device=streams)
+        get_registry("communicators").register("pair", comm)
+        host = _tensors(0)
+        want = np.zeros((), np.float32)
+        sharded_grad_norm(want, *host, communicator="pair", over=over)
+        norm = _on_device(streams, [np.zeros((), np.float32)])[0]
+        arrays = _on_device(streams, host)
+        streams.to_host = streams.to_device = 0
+        comm.got.clear()
+        cuda_sharded_grad_norm(norm, *arrays, communicator="pair", over=over, step=1, lr=0.0, scale=1.0)
+        assert (streams.to_host, streams.to_device) == (0, 0)
+        assert comm.got == [CudaBuffer] * (1 + (over is not None)) and set(comm.streams) == {Streams.COMPUTE}
+        got = _read(streams, [norm])[0]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert want > 0
+
+
+def test_the_dry_run_that_sizes_temporaries_runs_no_collective(streams: Streams) -> None:
+    from kiln.cuda._backend import _SizingDevice
+
+    with PluginSession().activate():
+        comm = Pair(0, device_buffers=True, device=streams)
+        get_registry("communicators").register("pair", comm)
+        sizing = _SizingDevice(streams)
+        arrays = [DeviceArray(sizing, 0, s, "float32") for s in SHAPES]
+        for fn, attrs in ((cuda_bucket_all_reduce, {}), (cuda_bucket_all_reduce_start, {"bucket": 0}),
+                          (cuda_bucket_reduce_scatter_wait, {"bucket": 0, "owners": OWNERS}),
+                          (cuda_bucket_all_gather, {"owners": OWNERS})):
+            fn(*arrays, communicator="pair", **attrs)
+        cuda_sharded_grad_norm(*arrays, communicator="pair")
+        assert comm.got == [] and not IN_FLIGHT
+
+
+
+class Mirror(Pair):
+    """:class:`Pair` whose other rank's gathered part is this rank's part as it is (values of the
+    parameters' scale, where Pair's ``+ 100`` would make a training step ill-conditioned)."""
+
+    def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
+        self.got += [type(send), type(recv)]
+        s, r = _view(send), _view(recv)
+        r[...] = np.tile(s, 2)
+
+
+@pytest.mark.parametrize(("zero", "overlap", "micro"),
+                         [(0, True, 1), (1, True, 2)], ids=["overlap", "zero1-overlap-micro-batches"])
+def test_data_parallel_on_emulated_cuda_over_a_device_communicator_equals_numpy(zero: int, overlap: bool,
+                                                                                micro: int) -> None:
+    """The collectives as a Program runs them on the ``cuda`` backend (the starts in the backward, the
+    waits and the norm in grad_sync, the all-gathers after the update, the backend's dry run first):
+    a tiny Qwen3 as rank 0 of the stand-in pair trains as on the NumPy backend over the same pair
+    (float32 kernels of the CUDA backend: to 1e-5)."""
+    dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3 model comes from kiln-dsl")
+    from kiln.core import Model
+    from kiln.cuda import EmulatedCuda
+    from kiln.dist import DataParallel, _plugin
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    bundle = dsl.build_bundle(Qwen3Model, {"vocab_size": 64, "d_model": 32, "n_layers": 1,
+                                           "num_query_heads": 4, "num_kv_heads": 2, "head_size": 8,
+                                           "d_ff": 64, "max_seq": 16})
+    ids = np.random.default_rng(0).integers(0, 64, (4, 9))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    runs = []
+    for backend, device_buffers in (("numpy", False), ("cuda", True)):
+        session = PluginSession(autoload=False)
+        session.register(_plugin, "kiln-dist")
+        session.register(EmulatedCuda(), "cuda-emulated")
+        with session.activate():
+            comm = Mirror(0, device_buffers)
+            get_registry("communicators").register("pair", comm)
+            dp = DataParallel("pair", zero=zero, overlap=overlap, bucket_bytes=16 * 1024)
+            model = Model.from_ir(bundle, seed=0, backend=backend, data_parallel=dp,
+                                  optimizer={"name": "adamw", "lr": 1e-3, "max_grad_norm": 0.5})
+            stats = [model.train_step(batch, micro_batches=micro) for _ in range(2)]
+            runs.append((stats, model.parameters(), set(comm.got)))
+            assert not IN_FLIGHT and not PENDING
+    (want, ref, _), (got, params, buffers) = runs
+    assert buffers == {CudaBuffer, np.ndarray}  # buckets on the device (and the overlap's one flag)
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for k, v in ref.items():
+        assert np.linalg.norm(params[k] - v) <= 1e-5 * np.linalg.norm(v), k
 
 
 BIND = """

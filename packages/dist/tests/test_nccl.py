@@ -1,6 +1,7 @@
 """The ``nccl`` communicator on GPUs (``nox -s gpu`` runs these; they skip, saying why, elsewhere):
 an all-reduce of device buffers on one GPU and across every GPU of the machine (a rank per GPU), and
-data parallelism over ``nccl`` on the ``cuda`` backend equal to one process on one and on all GPUs."""
+data parallelism over ``nccl`` on the ``cuda`` backend (plain, overlapped, ZeRO-1 and both) equal to
+one process on one and on two GPUs."""
 
 from __future__ import annotations
 
@@ -60,8 +61,13 @@ def _worker() -> Any:
     return module
 
 
+@pytest.mark.parametrize("zero", ["0", "overlap", "1", "overlap1"],
+                         ids=["plain", "overlap", "zero1", "zero1-overlap"])
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-gpu", "2-gpus"])
-def test_data_parallel_over_nccl_on_the_cuda_backend_equals_one_process(tmp_path: Path, ranks: int) -> None:
+def test_data_parallel_over_nccl_on_the_cuda_backend_equals_one_process(tmp_path: Path, ranks: int,
+                                                                         zero: str) -> None:
+    """Every bucket collective on device buffers (the overlapped ones on the communication stream,
+    ZeRO-1's norm a device scalar), the result one process's."""
     need(ranks)
     cuda = pytest.importorskip("kiln.cuda", reason="the cuda backend is kiln-kernels-cuda's")
     if cuda.unavailable_reason() is not None:
@@ -69,7 +75,7 @@ def test_data_parallel_over_nccl_on_the_cuda_backend_equals_one_process(tmp_path
     worker = _worker()
     n = ranks  # the global batch of 8 shared by the ranks, one GPU each
     model, stats = worker.train(None, backend="cuda")
-    assert launch(n, [str(HERE / "_worker.py"), str(tmp_path), "nccl", "0", "1", "cuda"], env=ENV) == 0
+    assert launch(n, [str(HERE / "_worker.py"), str(tmp_path), "nccl", zero, "1", "cuda"], env=ENV) == 0
     for r in range(n):
         rank = np.load(tmp_path / f"rank{r}.npz")
         np.testing.assert_allclose(rank["stats"], stats, rtol=1e-5)  # float32 sums in another order

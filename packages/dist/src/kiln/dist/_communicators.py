@@ -4,6 +4,7 @@ NCCL communicator start on first use."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from typing import TYPE_CHECKING, Any
@@ -39,11 +40,37 @@ def local_rank(comm: Any = None) -> int:
     return int(world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank())
 
 
+@functools.cache
+def node_rank() -> int:
+    """This process's index among the ranks of the MPI job on its node: what the launcher says
+    (MPICH's ``MPI_LOCALRANKID``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``), else MPI's
+    shared-memory split of the world (a collective: every rank asks once, at its first parallel
+    Model on a GPU backend)."""
+    import os
+
+    for name in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return local_rank()
+
+
+def rank_device(comm: Any, backend: Any) -> int | None:
+    """The device of ``backend`` a rank of ``comm`` trains on: its node-local rank's GPU, counted
+    among the GPUs the process sees (so one GPU left visible by :func:`bind_gpu` is every rank's
+    GPU 0); None where ``comm`` has no ranks on nodes (``local``, a planning stand-in)."""
+    local = getattr(comm, "local_rank", None)
+    if local is None:
+        return None
+    count = int(getattr(backend, "device_count", 0) or 0)
+    return int(local) % count if count else int(local)
+
+
 def bind_gpu() -> str:
-    """Give this rank one GPU, the one of its node-local rank: ``CUDA_VISIBLE_DEVICES`` set to that
-    GPU (of the list already there, as Slurm sets it, else of the node's GPUs), so the ``cuda``
-    backend (which uses the first GPU it sees) and the ``nccl`` communicator use the same one. Call it
-    before anything starts CUDA. Returns the value set."""
+    """Optional: show this rank only its GPU, the one of its node-local rank: ``CUDA_VISIBLE_DEVICES``
+    set to that GPU (of the list already there, as Slurm sets it, else of the node's GPUs). Not
+    needed for kiln: a parallel Model on the ``cuda`` backend and the ``nccl`` communicator already
+    take that GPU; it keeps other CUDA libraries of the process on it too. Call it before anything
+    starts CUDA. Returns the value set."""
     import os
 
     rank = local_rank()
@@ -140,6 +167,11 @@ class MpiCommunicator:
         return int(self.comm.Get_rank())
 
     @property
+    def local_rank(self) -> int:
+        """This process's index among the job's ranks on its node (:func:`node_rank`)."""
+        return node_rank()
+
+    @property
     def world_size(self) -> int:
         return int(self.comm.Get_size())
 
@@ -203,10 +235,11 @@ class MpiCommunicator:
 
 
 class NcclCommunicator:
-    """NCCL across the ranks of an MPI job, one GPU per rank (the rank's index among the ranks of its
-    node picks the device), on device arrays (anything nccl4py takes: DLPack or CUDA array interface).
-    Rank 0 makes the NCCL unique id and broadcasts it over MPI when the first collective runs. Host
-    NumPy arrays (a step's loss) go through MPI."""
+    """NCCL across the ranks of an MPI job, one GPU per rank (:attr:`device`: the rank's node-local
+    GPU), on device arrays (anything nccl4py takes: DLPack or CUDA array interface). Rank 0 makes the
+    NCCL unique id and broadcasts it over MPI when the first collective runs. Host NumPy arrays (a
+    step's loss) go through MPI. A device collective runs on ``stream`` (a CUDA stream handle; the
+    ``cuda`` backend passes its communication stream), else on the device's default stream."""
 
     name = "nccl"
     #: the collective ops' kernels on the ``cuda`` backend hand it device buffers (kiln.dist._cuda)
@@ -225,51 +258,62 @@ class NcclCommunicator:
         return self.mpi.world_size
 
     @property
+    def local_rank(self) -> int:
+        """This process's index among the job's ranks on its node."""
+        return self.mpi.local_rank
+
+    @property
+    def device(self) -> int:
+        """The GPU (among those the process sees) NCCL runs on: the node-local rank's, as a parallel
+        Model on the ``cuda`` backend picks it (:func:`rank_device`)."""
+        from cuda.bindings import driver
+
+        driver.cuInit(0)
+        _, count = driver.cuDeviceGetCount()  # the GPUs CUDA_VISIBLE_DEVICES shows
+        return self.local_rank % max(1, int(count))
+
+    @property
     def nccl(self) -> Any:
         """The nccl4py communicator of this rank's GPU, made on first use."""
         if self._nccl is None:
-            from cuda.bindings import driver
             from cuda.core import Device
             from nccl import core as nccl
 
-            driver.cuInit(0)
-            _, count = driver.cuDeviceGetCount()  # the GPUs CUDA_VISIBLE_DEVICES shows
-            # the node-local rank's GPU; with one GPU visible per rank (bind_gpu), that one
-            Device(local_rank(self.mpi.comm) % max(1, int(count))).set_current()
+            Device(self.device).set_current()
             uid = bytearray(bytes(nccl.get_unique_id() if self.rank == 0 else nccl.get_unique_id(empty=True)))
             self.mpi.broadcast(np.frombuffer(uid, np.uint8))
             self._nccl = nccl.Communicator.init(self.world_size, self.rank, nccl.UniqueId.from_bytes(uid))
         return self._nccl
 
-    def all_reduce(self, buf: Any) -> None:
+    def all_reduce(self, buf: Any, *, stream: Any = None) -> None:
         if isinstance(buf, np.ndarray):
             self.mpi.all_reduce(buf)
             return
         from nccl import core as nccl
 
-        self.nccl.allreduce(buf, buf, nccl.SUM)
+        self.nccl.allreduce(buf, buf, nccl.SUM, stream=stream)
 
-    def reduce_scatter(self, send: Any, recv: Any) -> None:
+    def reduce_scatter(self, send: Any, recv: Any, *, stream: Any = None) -> None:
         if isinstance(send, np.ndarray):
             self.mpi.reduce_scatter(send, recv)
             return
         from nccl import core as nccl
 
         _check_chunks("reduce_scatter", send, recv, self.world_size, send)
-        self.nccl.reduce_scatter(send, recv, nccl.SUM)
+        self.nccl.reduce_scatter(send, recv, nccl.SUM, stream=stream)
 
-    def all_gather(self, send: Any, recv: Any) -> None:
+    def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
         if isinstance(send, np.ndarray):
             self.mpi.all_gather(send, recv)
             return
         _check_chunks("all_gather", send, recv, self.world_size, recv)
-        self.nccl.allgather(send, recv)
+        self.nccl.allgather(send, recv, stream=stream)
 
-    def broadcast(self, buf: Any, root: int = 0) -> None:
+    def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> None:
         if isinstance(buf, np.ndarray):
             self.mpi.broadcast(buf, root)
             return
-        self.nccl.broadcast(buf, buf, root)
+        self.nccl.broadcast(buf, buf, root, stream=stream)
 
     def barrier(self) -> None:
         self.mpi.barrier()

@@ -73,6 +73,13 @@ class DataParallel:
         comm: Communicator = registry[self.comm]
         return comm
 
+    def rank_device(self, backend: object) -> int | None:
+        """The GPU this rank trains on where ``backend`` has several (``Model(backend="cuda")``): its
+        node-local rank's, so each rank of a node takes its own."""
+        from kiln.dist._communicators import rank_device
+
+        return rank_device(self.communicator, backend)
+
     def buckets(self, trained: Trained) -> list[list[tuple[str, tuple[int, ...]]]]:
         """The trained parameters, last first, cut into buckets of at most ``bucket_bytes``."""
         out: list[list[tuple[str, tuple[int, ...]]]] = []

@@ -167,6 +167,12 @@ class TensorParallel:
         local: Communicator = get_registry("communicators")["local"]
         return local
 
+    def rank_device(self, backend: object) -> int | None:
+        """The GPU this rank trains on where ``backend`` has several: its node-local rank's."""
+        from kiln.dist._communicators import rank_device
+
+        return rank_device(get_registry("communicators")[self.comm], backend)
+
     def plan(self, trained: Sequence[tuple[str, tuple[int, ...]]],
              module_ir: Bundle | None = None) -> SyncPlan:
         """This rank's sync plan for the ``trained`` parameters of ``module_ir`` (the IR the Model
