@@ -112,8 +112,8 @@ def test_qwen3_training_on_emulated_cuda_equals_numpy(bundle, cache: Path, host_
 
 
 def test_qwen3_moe_training_on_emulated_cuda_equals_numpy(cache: Path) -> None:
-    """Routing (softmax, top-k), the expert permutation and the grouped GEMMs run their CUDA kernels; the
-    load statistics of the auxiliary loss run on the host."""
+    """Routing (softmax, top-k), the expert permutation, the grouped GEMMs and the load statistics of the
+    auxiliary loss run their CUDA kernels."""
     dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3-MoE model comes from kiln-dsl")
     from kiln.dsl.stdlib.models import Qwen3MoEModel
 

@@ -28,7 +28,7 @@ ATTENTION = ("flash_attention", "flash_attention_backward")
 #: the kernels of the ops whose bf16 rounding points lie inside them
 ROUNDING_KERNELS = {"swiglu_rp_bf16", "swiglu_backward_rp_bf16", "qk_norm_rp_bf16",
                     "qk_norm_backward_rp_bf16", "qk_norm_backward_dw_rp_bf16", "matmul_bf16",
-                    "cross_entropy_f32"}
+                    "lm_head_loss_grad_bf16"}  # the LM head's fused training pass
 
 
 @pytest.fixture(scope="module")

@@ -67,22 +67,44 @@ class CudaBackend:
     dtypes = ("float32",)
     #: precision recipes it runs: ``bf16`` keeps bf16 tensors in 2-byte device buffers (below)
     precisions = ("fp32", "bf16")
-    #: offloaded activations wait in pinned host memory, copied on a second stream (below)
-    capabilities: frozenset[str] = frozenset({"host_offload"})
+    #: offloaded activations wait in pinned host memory, copied on a second stream (below); the LM head's
+    #: loss and gradient run as one pass in a training step (``kiln.cuda._ops.FUSIONS``)
+    capabilities: frozenset[str] = frozenset({"host_offload", "fused_lm_head_loss_and_grad"})
     kernel_fallback: str | None = None
     reference = True  # ops without a CUDA kernel run their NumPy reference on the host
 
-    def __init__(self, device: Any = None) -> None:
-        self._device = device
+    def __init__(self, device: Any = None, *, ordinal: int = 0) -> None:
+        #: ``device``: a device object to run on (an EmulatedDevice); else GPU ``ordinal``, opened when used
+        self._device, self._given, self.ordinal = device, device is not None, ordinal
+        self._others: dict[int, CudaBackend] = {}
 
     @property
     def gpu(self) -> Any:
         """The device it runs on, opened on first use."""
         if self._device is None:
-            from kiln.cuda._device import CudaDevice
+            from kiln.cuda import _device
 
-            self._device = CudaDevice()
+            self._device = _device.CudaDevice(self.ordinal)
         return self._device
+
+    @property
+    def device_count(self) -> int:
+        """The GPUs it can run on: those this process sees, or the one device it was given."""
+        from kiln.cuda import _device
+
+        return 1 if self._given else _device.device_count()
+
+    def on_device(self, index: int) -> CudaBackend:
+        """This backend on GPU ``index`` (``backend="cuda:1"``), one backend per GPU; an index past the
+        GPUs this process sees is a KilnError naming it and their number."""
+        from kiln.cuda._device import check_ordinal
+
+        check_ordinal(index, self.device_count)
+        if index == self.ordinal:
+            return self
+        if index not in self._others:
+            self._others[index] = CudaBackend(ordinal=index)
+        return self._others[index]
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         """A zeroed arena, freed when the last Executable or Model holding it lets go of it."""
@@ -152,6 +174,10 @@ class UnavailableBackend:
     def allocate(self, nbytes: int) -> Any:
         raise self._fail()
 
+    def on_device(self, index: int) -> Any:
+        """``cuda:1`` names a GPU; here there is none to run on."""
+        raise self._fail()
+
     def compile(self, program: Program, buffer: Any, kernels: Any) -> Any:
         raise self._fail()
 
@@ -196,6 +222,8 @@ class CudaExecutable:
         self.planned = {int(sl.name.split(".", 1)[1]): Workspace(arena.ptr + sl.offset, sl.nbytes)
                         for sl in program.slots if sl.kind == "workspace"}
         group: list[Step] = []  # consecutive AdamW updates of one parameter group: one launch
+        step_runs: dict[int, Callable[[], None]] = {}
+        waited: set[int] = set()  # steps the compute stream waits before (for host offload's copies)
         for step in program.steps:
             if group and not self._joins(group, step):
                 self.runs.setdefault("optimizer", []).append(self._adamw_group(group))
@@ -206,8 +234,10 @@ class CudaExecutable:
             fn = self._in_workspace(self._closure(step), self.planned.get(step.index))
             for event in self.waits.pop(step.index, ()):
                 self.runs.setdefault(step.phase, []).append(lambda e=event: self.dev.wait("compute", e))
+                waited.add(step.index)
             if fn is not None:
                 self.runs.setdefault(step.phase, []).append(fn)
+                step_runs[step.index] = fn
                 if step.how in ("offload", "fetch"):
                     self.random_steps.setdefault(step.phase, []).append(f"step {step.index} ({step.how})")
                 elif not step.kernel and step.how != "copy":
@@ -229,6 +259,9 @@ class CudaExecutable:
             self.workspace_bytes = scratch_bytes(program, self.kernels, self.dev)
             backend.reserve_workspace(self.workspace_bytes)
         self.graphs: dict[tuple[str, ...], Callable[[], None]] = {}
+        #: forward + backward with the Program's fusions in place of the steps they replace, run when both
+        #: phases run together (a run of one phase runs its plain steps); None without a fusion to run
+        self.train_runs = self._fused_runs(step_runs, waited)
 
     def run(self, phases: Iterable[str] = PHASES, *,
             hyper: Mapping[str, Any] | None = None) -> dict[str, float]:
@@ -246,9 +279,10 @@ class CudaExecutable:
                 self.graphs[span]()
                 i += len(span)
                 continue
-            for fn in self.runs.get(phases[i], ()):
+            n = 2 if self.train_runs is not None and phases[i:i + 2] == ("forward", "backward") else 1
+            for fn in self._phase_runs(phases[i:i + n]):
                 fn()
-            i += 1
+            i += n
         for event in self.copy_events:  # no copy of this run outlives it
             self.dev.wait("compute", event)
         if "optimizer" in phases:
@@ -280,7 +314,7 @@ class CudaExecutable:
                             "from the host")
         if not hasattr(self.dev, "capture"):
             raise KilnError(f"device {getattr(self.dev, 'name', '?')!r} cannot capture CUDA graphs")
-        runs = [fn for p in phases for fn in self.runs.get(p, ())]
+        runs = self._phase_runs(phases)
 
         def body() -> None:
             for fn in runs:
@@ -305,6 +339,48 @@ class CudaExecutable:
             ctypes.memmove(a.ptr, v.ctypes.data, a.nbytes)
             return
         self.dev.copy_to_device(a.ptr, v)
+
+    def _phase_runs(self, phases: Sequence[str]) -> list[Callable[[], None]]:
+        """The closures that run ``phases`` in order: forward then backward with their fusions."""
+        out: list[Callable[[], None]] = []
+        i = 0
+        while i < len(phases):
+            if self.train_runs is not None and tuple(phases[i:i + 2]) == ("forward", "backward"):
+                out += self.train_runs
+                i += 2
+            else:
+                out += self.runs.get(phases[i], ())
+                i += 1
+        return out
+
+    def _fused_runs(self, step_runs: Mapping[int, Callable[[], None]],
+                    waited: set[int]) -> list[Callable[[], None]] | None:
+        """The forward and backward runs with each fusion's pass at its first step (in the workspace
+        planned for its last: live while the pass's outputs are, so it overlaps none of its tensors) and
+        its other steps left out. A fusion is not run when a step of it runs on the host, waits for a
+        host copy, or has no cuda kernel of the fusion for the Program's recipe (``fused_kernel``)."""
+        passes: dict[int, Callable[[], None]] = {}  # id of a step's closure -> the pass in its place
+        skipped: set[int] = set()
+        for fusion in self.program.fusions:
+            kernel = fused_kernel(self.program, fusion, self.kernels)
+            if kernel is None or any(i not in step_runs or i in waited for i in fusion.steps):
+                continue
+            ins = [self.arrays[k] for k in fusion.inputs]
+            loss, lse, d_x, d_w = (self.arrays[k] if k else None for k in fusion.outputs)
+            kw = dict(fusion.attrs)
+
+            def run(kernel: Callable[..., None] = kernel, ins: list[DeviceArray] = ins, loss: Any = loss,
+                    lse: Any = lse, d_x: Any = d_x, d_w: Any = d_w, kw: dict[str, Any] = kw) -> None:
+                kernel(*ins, loss=loss, lse=lse, d_x=d_x, d_weight=d_w, **kw)
+
+            fn = self._in_workspace(run, self.planned.get(fusion.steps[-1]))
+            assert fn is not None
+            passes[id(step_runs[fusion.steps[0]])] = fn
+            skipped.update(id(step_runs[i]) for i in fusion.steps[1:])
+        if not passes:
+            return None
+        return [passes.get(id(fn), fn) for p in ("forward", "backward") for fn in self.runs.get(p, ())
+                if id(fn) not in skipped]
 
     def _joins(self, group: Sequence[Step], step: Step) -> bool:
         """Whether ``step`` is an update by kiln's AdamW kernel with the attributes of ``group``'s."""
@@ -367,9 +443,13 @@ class CudaExecutable:
         if kernel is grad_norm:
             self.device_norm = True
             return lambda: grad_norm_on_device(self.scalars, arrays)
+        update = optimizer_step(step.op.type, kernel, arrays, hyper, kw)
+        if self.ops.get_op(step.op.type).collective:  # kiln-dist's collectives read no scalar
+            self.random_steps.setdefault(step.phase, []).append(f"step {step.index} ({step.op.type}, "
+                                                                 "a collective)")
+            return update
         self.random_steps.setdefault(step.phase, []).append(
             f"step {step.index} ({step.op.type}, reads the clipping factor on the host)")
-        update = optimizer_step(step.op.type, kernel, arrays, hyper, kw)
 
         def run() -> None:
             if step.op.type != "grad_norm":
@@ -524,6 +604,25 @@ class CudaExecutable:
         return run
 
 
+def fused_kernel(program: Program, fusion: Any, kernels: Any) -> Callable[..., None] | None:
+    """The kernel that runs ``fusion`` of ``program`` on cuda, or None where its steps must run apart: the
+    fusion's own kernel (float32), under a low-precision recipe its ``bfloat16`` kernel when the fused
+    steps run their bf16 kernels (an ``@precision`` that keeps them in fp32 keeps them apart); None when
+    a fused step runs on the host (its op's kernels left out)."""
+    steps = [program.steps[i] for i in fusion.steps]
+    if not all(st.kernel for st in steps):
+        return None
+    key = fusion.kernel
+    if program.precision.lowers:
+        if not all(st.kernel.endswith(":bfloat16") for st in steps):
+            return None
+        key = f"{fusion.kind}@cuda:bfloat16"
+    if key not in kernels or kernels[key].backend != "cuda":  # (a registry, not a dict: no .get)
+        return None
+    fn: Callable[..., None] = kernels[key].fn
+    return fn
+
+
 def _computes_low(program: Program, step: Step, opdef: Any) -> bool:
     """Whether ``step`` computes in bf16 under the Program's recipe (its float inputs rounded first): a
     ``lower`` op, or one an ``@precision`` annotation sends there (``Program.computes``)."""
@@ -641,4 +740,13 @@ def step_scratch(program: Program, kernels: Any, device: Any) -> dict[int, int]:
         except Exception:  # a plugin's kernel that needs more of a device than a dry run has:
             continue  # its temporaries, if any, are allocated when it runs (Workspace.overflows)
         need[step.index] = sizing.high
+    for fusion in program.fusions:  # a fused pass runs in the workspace of its last step
+        kernel = fused_kernel(program, fusion, kernels)
+        if kernel is None:
+            continue
+        sizing.high = sizing.live = 0
+        ins = [arrays[k] for k in fusion.inputs]
+        loss, lse, d_x, d_w = (arrays[k] if k else None for k in fusion.outputs)
+        kernel(*ins, loss=loss, lse=lse, d_x=d_x, d_weight=d_w, **fusion.attrs)
+        need[fusion.steps[-1]] = max(need.get(fusion.steps[-1], 0), sizing.high)
     return need

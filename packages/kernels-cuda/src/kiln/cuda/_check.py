@@ -230,7 +230,8 @@ def _cases() -> Iterator[Case]:
 
     separate = {"causal": (heads, False, 7), "segments": (heads, True, 7),
                 "softcap-alibi": (attention["softcap-alibi"], False, 7),
-                "cross": ({**heads, "causal": False}, False, 5)}  # Tk != Tq: the reference on the host
+                "cross": ({**heads, "causal": False}, False, 5),  # Tq != Tk: cross attention
+                "cross-causal": ({**heads, "window_size": 6}, False, 11)}  # queries at the last 7 keys
     for name, (a, segments, tk) in separate.items():
         yield c(f"attention-{name}", "attention",
                 lambda r, a=a, g=segments, tk=tk: ((*sep(r, a, tk), seg if g else None), no_heads(a)), 2e-5)
@@ -267,9 +268,11 @@ def _cases() -> Iterator[Case]:
         yield c(f"mamba_conv1d-{name}", "mamba_conv1d", conv, 1e-5)
         yield c(f"mamba_conv1d_backward-{name}", "mamba_conv1d_backward", conv_bwd, 1e-4)
     # the selective scan: N = 16 (lanes past N idle), D ragged past a block of 4 warps, groups of B and C,
-    # softplus, a state in and out; A negative as Mamba's -exp(A_log)
+    # softplus, a state in and out; A negative as Mamba's -exp(A_log). Short T runs the sequential kernels;
+    # T = 1100 the chunked ones (two chunks of 1024 steps, the second ragged), as does N = 40 (past a warp)
     scans = {"plain": (2, 9, 11, 16, 0, False, False), "full": (2, 10, 7, 5, 2, True, True),
-             "states": (1, 6, 13, 8, 3, True, True)}
+             "states": (1, 6, 13, 8, 3, True, True), "chunked": (1, 2, 1100, 16, 0, True, True),
+             "chunked-wide-state": (2, 3, 9, 40, 3, True, True)}
     for name, (b_, d_, t_, n_, g_, full_, state_) in scans.items():
         def scan(r: np.random.Generator, b_: int = b_, d_: int = d_, t_: int = t_, n_: int = n_, g_: int = g_,
                  full_: bool = full_, state_: bool = state_) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -352,6 +355,20 @@ def _moe_cases() -> Iterator[Case]:
         p[0] = [0.5, 0.25, 0.5, 0.125, 0.25, 0.5, 0.0]
         return p.astype(np.float32)
 
+    def router_inputs(r: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """x [300, 19] (past a block) and gate [7, 19]: experts 2 and 5 copy expert 0's row (exact ties of
+        the scores, float32 and float64 alike), expert 6 is never chosen (ragged counts, one empty)."""
+        x, gate = _n(r, 300, 19), _n(r, 7, 19)
+        x[:, -1], gate[:, -1], gate[6, -1] = 4.0, 0.0, -6.0
+        gate[[2, 5]] = gate[0]
+        return x, gate
+
+    def router_bwd(r: np.random.Generator, a: dict[str, Any], d_w: bool, d_aux: bool) -> tuple[Any, ...]:
+        x, gate = router_inputs(r)
+        _, idx, _ = op_registry().get_op("moe_router").kernel(*(v.astype(np.float64) for v in (x, gate)), **a)
+        attrs = {k: a[k] for k in ("normalize", "use_sigmoid", "aux_loss_coef")}
+        return ((_n(r, 300, a["top_k"]) if d_w else None, _n(r) if d_aux else None, x, gate, idx), attrs)
+
     yield Case("moe_softmax", "moe_softmax", lambda r: ((_n(r, 5, 7, s=3),), {}))
     yield Case("moe_softmax_backward", "moe_softmax_backward",
                lambda r: ((_n(r, 5, 7), np.exp(_n(r, 5, 7)) / 7), {}))
@@ -389,6 +406,13 @@ def _moe_cases() -> Iterator[Case]:
         yield Case(f"moe_aux_loss_backward{name}", "moe_aux_loss_backward",
                    lambda r, a=d_loss, b=d_aux: ((_n(r, 300) if a else None, _n(r) if b else None,
                                                   targets_of(r), r.random(7).astype(np.float32)), aux), 1e-5)
+    for top, normalize, sigmoid in ((2, True, False), (3, False, True)):
+        flags = {"top_k": top, "normalize": normalize, "use_sigmoid": sigmoid, "aux_loss_coef": 0.3}
+        name = f"{top}{normalize:d}{sigmoid:d}"
+        yield Case(f"moe_router-{name}", "moe_router", lambda r, a=flags: (router_inputs(r), a), 1e-5)
+        for d_w, d_aux in ((True, True), (False, True), (True, False)):
+            yield Case(f"moe_router_backward-{name}-{d_w:d}{d_aux:d}", "moe_router_backward",
+                       lambda r, a=flags, w=d_w, g=d_aux: router_bwd(r, a, w, g), 1e-5)
     yield Case("moe_permute", "moe_permute", lambda r: ((_n(r, n, c), routing(r)), {"num_experts": e}))
     yield Case("moe_permute_backward", "moe_permute_backward",
                lambda r: ((_n(r, n * k, c), scatter(r)), {"num_tokens": n}))
@@ -611,6 +635,146 @@ def _rounding_cases() -> Iterator[Case]:
 CASES: dict[str, Case] = {case.id: case for case in (*_cases(), *_bf16_matmul_cases(), *_mma_cases(),
                                                    *_rounding_cases())}
 
+
+def _coverage_cases() -> Iterator[Case]:
+    """The kernels of the ops that ran on the host before issue 17: the norms' recompute variants, pointwise
+    ops, q/k norm, reductions (adjacent and scattered axes, wide rows and long columns) and layout copies
+    (float32 and int32), on ragged shapes."""
+
+    def c(id: str, op: str, build: Build, atol: float = 1e-5) -> Case:
+        return Case(id, op, build, atol)
+
+    def away(r: np.random.Generator, *shape: int) -> np.ndarray:  # |b| in [0.5, 2]: a smooth divisor
+        return (r.uniform(0.5, 2.0, shape) * np.where(r.random(shape) < 0.5, -1, 1)).astype(np.float32)
+
+    def saved(r: np.random.Generator, shape: tuple[int, ...], fused: bool) -> tuple[Any, ...]:
+        x, w = _n(r, *shape), _n(r, shape[-1])
+        res = _n(r, *shape) if fused else None
+        s = x.astype(np.float64) + (0 if res is None else res)
+        rstd = (1 / np.sqrt((s ** 2).mean(-1) + 1e-6)).astype(np.float32)
+        return (res, x, rstd, w) if fused else (x, rstd, w)
+
+    for name, shape in (("", (2, 3, 77)), ("-wide", (4, 300))):
+        yield c(f"rmsnorm_apply_saved{name}", "rmsnorm_apply_saved",
+                lambda r, s=shape: (saved(r, s, False), {}))
+        yield c(f"fused_residual_rmsnorm_apply_saved{name}", "fused_residual_rmsnorm_apply_saved",
+                lambda r, s=shape: (saved(r, s, True), {}))
+    yield c("div-same", "div", lambda r: ((_n(r, 5, 37), away(r, 5, 37)), {}))
+    yield c("div-trailing", "div", lambda r: ((_n(r, 3, 4, 37), away(r, 37)), {}))
+    yield c("div-middle", "div", lambda r: ((_n(r, 2, 4, 37), away(r, 4, 1)), {}))
+    yield c("div-both-ways", "div", lambda r: ((_n(r, 4, 1), away(r, 2, 4, 37)), {}))
+    yield c("exp", "exp", lambda r: ((_n(r, 5, 61, s=1.5),), {}), 1e-5)  # up to e^5: float32 steps of 1e-5
+    yield c("reciprocal", "reciprocal", lambda r: ((away(r, 5, 61),), {}))
+    yield c("sigmoid", "sigmoid", lambda r: ((_n(r, 5, 61, s=8),), {}))
+    yield c("sigmoid_backward", "sigmoid_backward",
+            lambda r: ((_n(r, 5, 61), r.random((5, 61)).astype(np.float32)), {}))
+    yield c("relu2", "relu2", lambda r: ((_n(r, 5, 61, s=2),), {}))
+    yield c("relu2_backward", "relu2_backward", lambda r: ((_n(r, 5, 61), _n(r, 5, 61, s=2)), {}))
+    for approx in ("none", "tanh"):
+        yield c(f"geglu-{approx}", "geglu",
+                lambda r, a=approx: ((_n(r, 4, 45, s=2), _n(r, 4, 45)), {"approximate": a}))
+    yield c("add3", "add3", lambda r: ((_n(r, 3, 67), _n(r, 3, 67), _n(r, 3, 67)), {}))
+    yield c("matmul_bias-NT", "matmul_bias", lambda r: ((_n(r, 37, 50), _n(r, 45, 50), _n(r, 45)), {}), 1e-4)
+    yield c("matmul_bias-NN", "matmul_bias",
+            lambda r: ((_n(r, 19, 33), _n(r, 33, 17), _n(r, 17)), {"transpose": "NN"}), 1e-4)
+    from kiln.cuda._ops import matmul_bias
+
+    opdef = op_registry().get_op("matmul_bias")
+    # under the bf16 recipe x and w reach the kernel as bf16 (BF16_OPERANDS), the bias as float32
+    yield Case("matmul_bias_bf16-NT", "matmul_bias", lambda r: ((_n(r, 37, 50), _n(r, 45, 50), _n(r, 45)),
+                                                               {"transpose": "NT"}),
+               1e-4, matmul_bias, opdef.kernel, True, fp32_inputs=frozenset({2}), fp32_out=True)
+    yield c("qk_norm", "qk_norm",
+            lambda r: ((_n(r, 2, 5, 4, 40), _n(r, 2, 5, 2, 40), _n(r, 40), _n(r, 40)), {"eps": 1e-6}))
+    yield c("qk_norm-wide", "qk_norm",
+            lambda r: ((_n(r, 3, 300), _n(r, 2, 300), _n(r, 300), _n(r, 300)), {"eps": 0.3}))
+    shapes = {"last": ((5, 300), (-1,), False), "first-long": ((700, 3), (0,), False),
+              "middle-keep": ((3, 37, 5), (1,), True), "scattered": ((4, 3, 37), (0, 2), False),
+              "scattered-keep": ((2, 3, 4, 5), (-1, 1), True), "all": ((3, 7, 11), (0, 1, 2), False)}
+    for op in ("reduce_sum", "reduce_mean", "reduce_max"):
+        for name, (shape, axes, keep) in shapes.items():
+            yield c(f"{op}-{name}", op,
+                    lambda r, s=shape, a=axes, k=keep: ((_n(r, *s),), {"axes": a, "keepdims": k}), 1e-4)
+    for name, (shape, axes, keep) in shapes.items():
+        def mean_bwd(r: np.random.Generator, s: tuple[int, ...] = shape, a: tuple[int, ...] = axes,
+                     k: bool = keep) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            red = {i % len(s) for i in a}
+            d = tuple(1 if i in red else n for i, n in enumerate(s)) if k else \
+                tuple(n for i, n in enumerate(s) if i not in red)
+            return (_n(r, *d),), {"shape": s, "axes": a, "keepdims": k}
+
+        yield c(f"reduce_mean_backward-{name}", "reduce_mean_backward", mean_bwd, 1e-6)
+
+        def max_bwd(r: np.random.Generator, s: tuple[int, ...] = shape, a: tuple[int, ...] = axes,
+                    k: bool = keep) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            x = np.round(_n(r, *s) * 2) / 2  # few values: ties share the gradient
+            y = np.max(x, axis=a, keepdims=k)
+            return (_n(r, *y.shape), x, y), {"axes": a, "keepdims": k}
+
+        yield c(f"reduce_max_backward-{name}", "reduce_max_backward", max_bwd, 1e-6)
+    yield c("transpose", "transpose", lambda r: ((_n(r, 3, 37, 5),), {"dim0": 0, "dim1": -1}), 0.0)
+    yield c("transpose-inner", "transpose", lambda r: ((_n(r, 2, 3, 37, 5),), {"dim0": 2, "dim1": 3}), 0.0)
+    yield c("permute", "permute", lambda r: ((_n(r, 2, 3, 1, 37),), {"dims": (0, -2, 3, 1)}), 0.0)
+    yield c("permute-int32", "permute",
+            lambda r: ((r.integers(-9, 9, (4, 5, 6)).astype(np.int32),), {"dims": (2, 0, 1)}), 0.0)
+    yield c("concat", "concat", lambda r: ((_n(r, 3, 2), _n(r, 3, 37), _n(r, 3, 1)), {}), 0.0)
+    yield c("concat-first", "concat", lambda r: ((_n(r, 2, 2, 33), _n(r, 1, 2, 33)), {"dim": 0}), 0.0)
+    yield c("concat-middle-int32", "concat",
+            lambda r: ((r.integers(0, 50, (2, 3, 5)).astype(np.int32),
+                        r.integers(0, 50, (2, 1, 5)).astype(np.int32)), {"dim": 1}), 0.0)
+    yield c("split", "split", lambda r: ((_n(r, 3, 37),), {"sizes": (2, 34, 1)}), 0.0)
+    yield c("split-first", "split", lambda r: ((_n(r, 5, 2, 33),), {"sizes": (3, 2), "dim": 0}), 0.0)
+    yield c("split-middle", "split", lambda r: ((_n(r, 2, 7, 9),), {"sizes": (4, 0, 3), "dim": 1}), 0.0)
+    yield c("broadcast_to-leading", "broadcast_to", lambda r: ((_n(r, 37),), {"shape": (2, 3, 37)}), 0.0)
+    yield c("broadcast_to-ones", "broadcast_to", lambda r: ((_n(r, 3, 1),), {"shape": (2, 3, 37)}), 0.0)
+    yield c("broadcast_to-axes", "broadcast_to",
+            lambda r: ((_n(r, 2, 37),), {"shape": (2, 3, 37), "axes": (1,)}), 0.0)
+
+
+CASES |= {case.id: case for case in _coverage_cases()}
+
+
+def _fused_head_cases() -> Iterator[Case]:
+    """The LM head's fused training pass (``kiln.cuda._ops.FUSIONS``, outside the kernel table) against the
+    NumPy backend's fused pass in float64, and under the bf16 recipe against NumPy's bf16 kernels of the two
+    steps it replaces; 37 rows, a vocabulary of 301, ignored rows."""
+    from kiln.core.backends.numpy import _precision as np_bf16
+    from kiln.core.ops.library._loss import fused_lm_head_loss_and_grad as numpy_fused
+    from kiln.cuda import _ops
+
+    def launch(fn: Callable[..., None]) -> Callable[..., None]:
+        def run(d_loss: Any, x: Any, w: Any, t: Any, *, out: Any, **a: Any) -> None:
+            fn(d_loss, x, w, t, loss=out[0], lse=out[1], d_x=out[2], d_weight=out[3], **a)
+
+        return run
+
+    def reference(d_loss: Any, x: Any, w: Any, t: Any, *, ignore_index: int) -> list[np.ndarray]:
+        outs = [np.empty(x.shape[0]), np.empty(x.shape[0]), np.empty(x.shape), np.empty(w.shape)]
+        numpy_fused(d_loss, x, w, t, loss=outs[0], lse=outs[1], d_x=outs[2], d_weight=outs[3],
+                    ignore_index=ignore_index)
+        return outs
+
+    def two_steps_bf16(d_loss: Any, x: Any, w: Any, t: Any, *, ignore_index: int) -> list[np.ndarray]:
+        a = {"ignore_index": ignore_index, "chunk_size": 64, "softcap": None}
+        x, w = x.astype(np.float32), w.astype(np.float32)
+        loss, lse = np_bf16.fused_lm_head_loss_bf16(x, w, t, **a)
+        return [loss, lse, *np_bf16.fused_lm_head_loss_backward_bf16(d_loss.astype(np.float32), x, w, t, lse,
+                                                                     None, **a)]
+
+    def build(r: np.random.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        t = r.integers(0, 301, 37).astype(np.int32)
+        t[::5] = -100
+        return (_n(r, 37, s=0.1), _n(r, 37, 24), _n(r, 301, 24, s=0.5), t), {"ignore_index": -100}
+
+    name = "fused_lm_head_loss_and_grad"
+    yield Case(name, name, build, 2e-5, launch(_ops.fused_lm_head_loss_and_grad), reference)
+    # a GPU's cuBLASLt sums in another order: a bf16 gradient may move by one step of its scale
+    yield Case(f"{name}-bf16", name, build, 2.5e-4, launch(_ops.fused_lm_head_loss_and_grad_bf16),
+               two_steps_bf16, True, fp32_inputs=frozenset({0}), fp32_out=True)
+
+
+CASES |= {case.id: case for case in _fused_head_cases()}
+
 _UPDATES = ("adamw_update", "sgd_update")
 
 
@@ -658,6 +822,23 @@ def _run_bf16(case: Case, device: Any, inputs: tuple[Any, ...], given: dict[str,
                 device.free(d.ptr)
 
 
+def _run_launch(case: Case, device: Any, inputs: tuple[Any, ...], given: dict[str, Any]) -> float:
+    """A float32 case of a kernel outside the kernel table: ``case.launch`` against ``case.reference``
+    (in float64), every output float32."""
+    assert case.launch is not None and case.reference is not None
+    dev_in = [_to_device(device, a) for a in inputs]
+    try:
+        refs = list(case.reference(*[_f64(a) for a in inputs], **given))
+        outs = [_to_device(device, np.full(np.shape(r), np.nan, np.float32)) for r in refs]
+        case.launch(*dev_in, out=outs, **given)
+        return max(float(np.abs(_to_host(o) - np.asarray(r)).max(initial=0.0))  # type: ignore[arg-type]
+                   for o, r in zip(outs, refs, strict=True))
+    finally:
+        for d in dev_in:
+            if d is not None:
+                device.free(d.ptr)
+
+
 def _is_float(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.dtype == np.float32
 
@@ -672,6 +853,8 @@ def run_case(case: Case, device: Any, seed: int = 0) -> float:
     inputs, given = case.build(np.random.default_rng(seed))
     if case.bf16:
         return _run_bf16(case, device, inputs, given)
+    if case.launch is not None:
+        return _run_launch(case, device, inputs, given)
     opdef = op_registry().get_op(case.op)
     attrs_ = {a.name: given.get(a.name, None if a.required else a.default) for a in opdef.attrs}
     fn = KERNELS[case.op][0]

@@ -35,6 +35,22 @@ def device_status() -> tuple[bool, str]:
     return True, ""
 
 
+def device_count() -> int:
+    """The GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applies), 0 without a driver or a GPU."""
+    if not device_status()[0]:
+        return 0
+    count = ctypes.c_int(0)
+    return count.value if not ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count)) else 0
+
+
+def check_ordinal(ordinal: int, count: int) -> None:
+    """A KilnError unless ``ordinal`` is one of the ``count`` GPUs this process sees."""
+    if not isinstance(ordinal, int) or isinstance(ordinal, bool) or not 0 <= ordinal < count:
+        seen = f"{count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})" if count else "no GPU"
+        raise KilnError(f"backend 'cuda:{ordinal}': there is no GPU {ordinal!r}; this process sees {seen}",
+                        hint="CUDA_VISIBLE_DEVICES sets which GPUs a process sees, renumbered from 0")
+
+
 def _check(result: Any, what: str) -> Any:
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err):
@@ -43,8 +59,9 @@ def _check(result: Any, what: str) -> Any:
 
 
 class CudaDevice:
-    """One GPU through the driver API: its primary context, the default stream, one module per kernel
-    source compiled to CUBIN for its architecture (``kiln.cuda._nvrtc``, cached on disk)."""
+    """GPU ``ordinal`` (of those this process sees) through the driver API: its primary context, the
+    default stream, one module per kernel source compiled to CUBIN for its architecture
+    (``kiln.cuda._nvrtc``, cached on disk)."""
 
     name = "cuda"
 
@@ -52,9 +69,10 @@ class CudaDevice:
         ok, why = device_status()
         if not ok:
             raise KilnError(f"backend 'cuda' is unavailable: {why}")
+        check_ordinal(ordinal, device_count())
         from cuda.bindings import driver
 
-        self.driver = driver
+        self.driver, self.ordinal = driver, ordinal
         _check(driver.cuInit(0), "cuInit")
         self.handle = _check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
         self.context = _check(driver.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
@@ -71,6 +89,7 @@ class CudaDevice:
         #: host offload's copies (device <-> pinned host memory) overlap the kernels on a second stream,
         #: ordered with the compute stream by events
         self.copy_stream = _check(driver.cuStreamCreate(1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
+        self._comm_stream: Any = None  # a third stream, made when a collective first overlaps
         self.workspace: Any = None  # the kernels' workspace, reserved by the backend
         self._modules: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
@@ -158,7 +177,19 @@ class CudaDevice:
         _check(self.driver.cuMemFreeHost(ptr), "cuMemFreeHost")
 
     def _stream(self, name: str) -> Any:
+        if name == "comm":
+            if self._comm_stream is None:  # kiln-dist's collectives overlapped with the kernels
+                self._comm_stream = _check(self.driver.cuStreamCreate(1), "cuStreamCreate")
+            return self._comm_stream
         return self.copy_stream if name == "copy" else self.stream
+
+    def stream_handle(self, name: str = "compute") -> int:
+        """The ``CUstream`` of ``name`` (``compute``, ``copy``, ``comm``) as an integer, for a library that
+        enqueues its own work (NCCL)."""
+        return int(self._stream(name))
+
+    def destroy(self, event: Any) -> None:
+        _check(self.driver.cuEventDestroy(event), "cuEventDestroy")
 
     def event(self) -> Any:
         return _check(self.driver.cuEventCreate(2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING

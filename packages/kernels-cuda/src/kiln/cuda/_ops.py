@@ -569,9 +569,9 @@ def layernorm_backward(d_y: DeviceArray | None, x: DeviceArray, mean: DeviceArra
                         c))
 
 
-# --- the LM head's loss: a composition ------------------------------------------------------------
+# --- the LM head's loss: a composition, and the fused training pass ------------------------------
 
-#: bound on the logits ([rows, vocabulary]) the LM-head loss composition holds at once (16 MiB)
+#: bound on the logits ([rows, vocabulary]) the LM head holds at once (16 MiB in float32): its tile
 LOGITS_TILE = 1 << 22
 
 
@@ -585,6 +585,11 @@ def _head_tiles(n: int, v: int) -> list[tuple[int, int]]:
     return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
 
 
+def _tile(buf: DeviceArray, r0: int, r1: int) -> DeviceArray:
+    """The first ``r1 - r0`` rows of the one tile buffer ``buf``: every tile of rows reuses it."""
+    return DeviceArray(buf.device, buf.ptr, (r1 - r0, *buf.shape[1:]), buf.dtype)
+
+
 def _logits(x: DeviceArray, weight: DeviceArray, z: DeviceArray, softcap: float | None) -> None:
     matmul(x, weight, out=(z,), transpose="NT")
     if softcap is not None:
@@ -594,15 +599,18 @@ def _logits(x: DeviceArray, weight: DeviceArray, z: DeviceArray, softcap: float 
 def fused_lm_head_loss(x: DeviceArray, weight: DeviceArray, targets: DeviceArray, *,
                        out: Sequence[DeviceArray | None], ignore_index: int, chunk_size: int = 0,
                        softcap: float | None = None) -> None:
-    """Per tile of rows: logits = x w^T (matmul kernel, softcapped), then the cross-entropy kernel. The
-    logits of one tile live at a time (``chunk_size``, the NumPy kernel's vocabulary chunk, is not
-    needed: the cross-entropy kernel reduces whole rows)."""
+    """Per tile of rows: logits = x w^T (matmul kernel, softcapped), then the cross-entropy kernel. One
+    tile of logits is held (``chunk_size``, the NumPy kernel's vocabulary chunk, is not needed: the
+    cross-entropy kernel reduces whole rows)."""
     _f32(x, weight)
     n, v = x.shape[0], weight.shape[0]
     with _Scratch(x.device) as s:
         loss, lse = s.out(out[0], (n,)), s.out(out[1], (n,))
-        for r0, r1 in _head_tiles(n, v):
-            z = s.array((r1 - r0, v))
+        tiles = _head_tiles(n, v)
+        buf = s.array((tiles[0][1], v)) if n else None
+        for r0, r1 in tiles:
+            assert buf is not None
+            z = _tile(buf, r0, r1)
             _logits(_rows_of(x, r0, r1), weight, z, softcap)
             cross_entropy(z, _rows_of(targets, r0, r1), out=(_rows_of(loss, r0, r1), _rows_of(lse, r0, r1)),
                           ignore_index=ignore_index)
@@ -612,15 +620,20 @@ def fused_lm_head_loss_backward(d_loss: DeviceArray | None, x: DeviceArray, weig
                                 targets: DeviceArray, lse: DeviceArray, d_lse: DeviceArray | None = None, *,
                                 out: Sequence[DeviceArray | None], ignore_index: int, chunk_size: int = 0,
                                 softcap: float | None = None) -> None:
-    """Per tile of rows: the logits again, their gradient g (cross-entropy backward kernel, times the
-    softcap's derivative), d_x = g w and d_weight += g^T x (matmul kernels; tiles in order)."""
+    """Per tile of rows: the logits again, their gradient g (cross-entropy backward kernel, in place of
+    the logits; with a softcap beside them, times its derivative), d_x = g w and d_weight += g^T x
+    (matmul kernels; tiles in order). One tile of logits is held, two with a softcap."""
     _f32(d_loss, x, weight, lse, d_lse)
     n, v = x.shape[0], weight.shape[0]
     d_x, d_w = out
     with _Scratch(x.device) as s:
-        for i, (r0, r1) in enumerate(_head_tiles(n, v)):
+        tiles = _head_tiles(n, v)
+        zbuf = s.array((tiles[0][1], v)) if n else None
+        gbuf = s.array((tiles[0][1], v)) if n and softcap is not None else zbuf
+        for i, (r0, r1) in enumerate(tiles):
+            assert zbuf is not None and gbuf is not None
             xr = _rows_of(x, r0, r1)
-            z, g = s.array((r1 - r0, v)), s.array((r1 - r0, v))
+            z, g = _tile(zbuf, r0, r1), _tile(gbuf, r0, r1)
             _logits(xr, weight, z, softcap)
             cross_entropy_backward(None if d_loss is None else _rows_of(d_loss, r0, r1), z,
                                    _rows_of(targets, r0, r1), _rows_of(lse, r0, r1),
@@ -635,6 +648,48 @@ def fused_lm_head_loss_backward(d_loss: DeviceArray | None, x: DeviceArray, weig
                 matmul(g, xr, d_w if i else None, out=(d_w,), transpose="TN")
         if d_w is not None and not n:
             d_w.device.memset(d_w.ptr, 0, d_w.nbytes)
+
+
+def _fused_attrs(unsupported: Mapping[str, Any]) -> None:
+    if unsupported:
+        raise KilnError(f"fused_lm_head_loss_and_grad on cuda takes the attribute ignore_index alone (as the "
+                        f"NumPy backend's fused pass); found {', '.join(sorted(unsupported))}",
+                        hint="a softcapped LM head runs as two steps: kiln plans no fusion for it")
+
+
+def fused_lm_head_loss_and_grad(d_loss: DeviceArray | None, x: DeviceArray, weight: DeviceArray,
+                                targets: DeviceArray, *, loss: DeviceArray | None, lse: DeviceArray | None,
+                                d_x: DeviceArray | None, d_weight: DeviceArray | None,
+                                ignore_index: int = -100, **unsupported: Any) -> None:
+    """``fused_lm_head_loss`` and its backward for ``d_loss`` in one pass (the Program's fusion
+    ``fused_lm_head_loss_and_grad``, NumPy's ``fused_lm_head_loss_and_grad``): per tile of rows, the logits
+    ``z = x w^T`` (matmul kernel, into the one tile buffer), then one kernel per row takes their maximum,
+    log-sum-exp and loss and turns them in place into their gradient ``(softmax - onehot) * d_loss``, then
+    ``d_x = g w`` and ``d_weight += g^T x`` (matmul kernels, tiles in order). One product over the logits
+    fewer than the forward and backward steps, one tile of logits held, and the same bits as those steps."""
+    _fused_attrs(unsupported)
+    _f32(d_loss, x, weight, loss, lse, d_x, d_weight)
+    _i32(targets, "targets")
+    n, v = x.shape[0], weight.shape[0]
+    dev = x.device
+    with _Scratch(dev) as s:
+        loss_, lse_ = s.out(loss, (n,)), s.out(lse, (n,))
+        tiles = _head_tiles(n, v)
+        buf = s.array((tiles[0][1], v)) if n else None
+        for i, (r0, r1) in enumerate(tiles):
+            assert buf is not None
+            xr, z = _rows_of(x, r0, r1), _tile(buf, r0, r1)
+            matmul(xr, weight, out=(z,), transpose="NT")
+            dl = 0 if d_loss is None else _rows_of(d_loss, r0, r1).ptr
+            dev.launch("lm_head_loss_grad_f32", (r1 - r0,), row_block(v),
+                       (dl, z.ptr, _rows_of(targets, r0, r1).ptr, _rows_of(loss_, r0, r1).ptr,
+                        _rows_of(lse_, r0, r1).ptr, v, ignore_index))
+            if d_x is not None:
+                matmul(z, weight, out=(_rows_of(d_x, r0, r1),))
+            if d_weight is not None:
+                matmul(z, xr, d_weight if i else None, out=(d_weight,), transpose="TN")
+        if d_weight is not None and not n:
+            dev.memset(d_weight.ptr, 0, d_weight.nbytes)
 
 
 # --- attention ------------------------------------------------------------------------------------
@@ -712,88 +767,81 @@ def flash_attention_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: Dev
                               (_ptr(d_out), qkv.ptr, lse.ptr, shift.ptr, seg, d_qkv.ptr, *geometry))
 
 
-# --- attention on tensor cores: bf16 in, fp32 accumulate (attention_mma.cu) ------------------------
+def _separate_heads(q: DeviceArray, k: DeviceArray, v: DeviceArray, segment_ids: DeviceArray | None,
+                    op: str) -> tuple[int, int, int, int, int, int]:
+    """(B, Tq, Tk, Hq, Hkv, D) of ``attention`` on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]."""
+    if len(q.shape) != 4 or len(k.shape) != 4 or v.shape != k.shape:
+        raise KilnError(f"op {op!r} on cuda: q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] expected, found "
+                        f"{q.shape}, {k.shape} and {v.shape}")
+    (b, tq, hq, d), (_, tk, hkv, _) = q.shape, k.shape
+    if k.shape[0] != b or k.shape[3] != d or hkv <= 0 or hq % hkv:
+        raise KilnError(f"op {op!r} on cuda: q {q.shape} and k {k.shape} differ in batch or head dim, or "
+                        f"Hq = {hq} is not a multiple of Hkv = {hkv}")
+    if d > 32 * ATTN_PER_LANE:
+        raise KilnError(f"op {op!r} on cuda: head dim {d} > {32 * ATTN_PER_LANE}, the limit of the SIMT "
+                        "kernel")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, tk):
+            raise KilnError(f"op {op!r} on cuda: segment_ids must be [B, Tk] = [{b}, {tk}], found "
+                            f"{list(segment_ids.shape)}")
+        if tq > tk:  # a query's segment is that of its key position i + Tk - Tq, which must exist
+            raise KilnError(f"op {op!r} on cuda: segment ids need Tq <= Tk (a query's segment is that of its "
+                            f"key position i + Tk - Tq), found Tq = {tq} > Tk = {tk}")
+    return b, tq, tk, hq, hkv, d
 
-#: head dims of the tiled bf16 attention kernels, one kernel each (D is padded with zeros up to it)
-MMA_HEAD_DIMS = (64, 128)
-#: query (or key) rows of a block of the tiled attention kernels, and its threads (4 warps)
-MMA_ROWS, MMA_THREADS = 64, 128
 
-
-def _copy_cols(src: DeviceArray, dst: DeviceArray, rows: int, cols: int, src_off: int, dst_off: int) -> None:
-    if rows and cols:
-        src.device.launch("copy_cols_f32", ew_grid(rows * cols), (THREADS,),
-                          (src.ptr, dst.ptr, rows, cols, src.size // rows, src_off, dst.size // rows,
-                           dst_off))
-
-
-def _separate_heads(q: DeviceArray, k: DeviceArray, op: str) -> tuple[int, int, int, int, int] | None:
-    """(B, T, Hq, Hkv, D) of ``attention`` on q [B, T, Hq, D] and k [B, T, Hkv, D]; None when q and k
-    have different lengths (the flash kernels attend a sequence to itself)."""
-    if len(q.shape) != 4 or len(k.shape) != 4:
-        raise KilnError(f"op {op!r} on cuda: q, k, v must be [B, T, H, D], found {q.shape} and {k.shape}")
-    b, t, hq, d = q.shape
-    return None if k.shape[1] != t else (b, t, hq, k.shape[2], d)
-
-
-def _attention_on_host(op: str, inputs: Sequence[DeviceArray | None], out: Sequence[DeviceArray | None],
-                       attrs: dict[str, Any]) -> None:
-    """kiln-core's reference of ``op`` on host copies (cross attention, Tq != Tk: no kernel yet)."""
-    from kiln.core import op_registry
-
-    dev = next(a.device for a in inputs if a is not None)
-    dev.synchronize()
-    host = [None if a is None else dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
-            for a in inputs]
-    results = op_registry().get_op(op).kernel(*host, **attrs)
-    for o, r in zip(out, results, strict=True):
-        if o is not None:
-            dev.copy_to_device(o.ptr, np.ascontiguousarray(r, np.float32))
+def _attention_geometry(op: str, tq: int, tk: int, hq: int, hkv: int, d: int, causal: bool = True,
+                        softmax_scale: float | None = None, window_size: int | None = None,
+                        softcap: float | None = None, alibi: bool = False) -> tuple[Any, ...]:
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    return (tq, tk, hq, hkv, d, int(causal), _window(window_size, op), scale, _softcap(softcap, op),
+            int(alibi))
 
 
 def attention(q: DeviceArray, k: DeviceArray, v: DeviceArray, segment_ids: DeviceArray | None = None, *,
               out: Sequence[DeviceArray | None], **attrs: Any) -> None:
-    """``attention`` on separate q [B, T, Hq, D], k and v [B, T, Hkv, D]: packed into the workspace as
-    ``flash_attention``'s qkv (``copy_cols``), then its kernels; out [B, T, Hq, D] is their output's
-    layout. q and k of different lengths run the reference on the host."""
+    """``attention`` on separate q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D], Tq and Tk equal or not (cross
+    attention: query i at key position i + Tk - Tq): a warp per query row, as ``flash_attention``."""
     _f32(q, k, v)
-    dims = _separate_heads(q, k, "attention")
-    if dims is None:
-        _attention_on_host("attention", (q, k, v, segment_ids), out, attrs)
-        return
-    b, t, hq, hkv, d = dims
+    op = "attention"
+    b, tq, tk, hq, hkv, d = _separate_heads(q, k, v, segment_ids, op)
     with _Scratch(q.device) as s:
-        qkv = s.array((b, t, (hq + 2 * hkv) * d))
-        for x, off in ((q, 0), (k, hq * d), (v, (hq + hkv) * d)):
-            _copy_cols(x, qkv, b * t, x.shape[2] * d, 0, off)
-        o, lse = s.out(out[0], q.shape), s.out(out[1], (b, hq, t))
-        flash_attention(qkv, segment_ids, out=(o.reshape((b, t, hq * d)), lse), Hq=hq, Hkv=hkv, D=d, **attrs)
+        o, lse = s.out(out[0], q.shape), s.out(out[1], (b, hq, tq))
+        if b and tq:
+            q.device.launch("attention_f32", (tq, hq, b), (32,),
+                            (q.ptr, k.ptr, v.ptr, _segments(segment_ids), o.ptr, lse.ptr,
+                             *_attention_geometry(op, tq, tk, hq, hkv, d, **attrs)))
 
 
 def attention_backward(d_out: DeviceArray | None, q: DeviceArray, k: DeviceArray, v: DeviceArray,
                        o: DeviceArray, lse: DeviceArray, d_lse: DeviceArray | None = None,
                        segment_ids: DeviceArray | None = None, *, out: Sequence[DeviceArray | None],
                        **attrs: Any) -> None:
-    """Its gradient: q, k, v packed, ``flash_attention_backward``'s kernels, d_qkv split into d_q, d_k,
-    d_v."""
+    """Its gradient: the query kernel (dq, and each row's shift), then the key kernel (dk, dv)."""
     _f32(d_out, q, k, v, o, lse, d_lse)
-    dims = _separate_heads(q, k, "attention_backward")
-    if dims is None:
-        _attention_on_host("attention_backward", (d_out, q, k, v, o, lse, d_lse, segment_ids), out, attrs)
-        return
-    b, t, hq, hkv, d = dims
-    width = (hq + 2 * hkv) * d
+    op = "attention_backward"
+    b, tq, tk, hq, hkv, d = _separate_heads(q, k, v, segment_ids, op)
+    geometry = _attention_geometry(op, tq, tk, hq, hkv, d, **attrs)
     with _Scratch(q.device) as s:
-        qkv, d_qkv = s.array((b, t, width)), s.array((b, t, width))
-        offsets = (0, hq * d, (hq + hkv) * d)
-        for x, off in zip((q, k, v), offsets, strict=True):
-            _copy_cols(x, qkv, b * t, x.shape[2] * d, 0, off)
-        flat = (b, t, hq * d)
-        flash_attention_backward(None if d_out is None else d_out.reshape(flat), qkv, o.reshape(flat), lse,
-                                 d_lse, segment_ids, out=(d_qkv,), Hq=hq, Hkv=hkv, D=d, **attrs)
-        for g, x, off in zip(out, (q, k, v), offsets, strict=True):
-            if g is not None:
-                _copy_cols(d_qkv, g, b * t, x.shape[2] * d, off, 0)
+        dq, dk, dv = s.out(out[0], q.shape), s.out(out[1], k.shape), s.out(out[2], v.shape)
+        shift = s.array((b, hq, tq))
+        seg = _segments(segment_ids)
+        if b and tq:
+            q.device.launch("attention_backward_dq_f32", (tq, hq, b), (32,),
+                            (_ptr(d_out), q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr, _ptr(d_lse), seg, dq.ptr,
+                             shift.ptr, *geometry))
+        if b and tk:  # keys no query sees (Tq = 0 among them) get zero gradients
+            q.device.launch("attention_backward_dkv_f32", (tk, hkv, b), (32,),
+                            (_ptr(d_out), q.ptr, k.ptr, v.ptr, lse.ptr, shift.ptr, seg, dk.ptr, dv.ptr,
+                             *geometry))
+
+
+# --- attention on tensor cores: bf16 in, fp32 accumulate (attention_mma.cu) ------------------------
+
+#: head dims of the tiled bf16 attention kernels, one kernel each (D is padded with zeros up to it)
+MMA_HEAD_DIMS = (64, 128)
+#: query (or key) rows of a block of the tiled attention kernels, and its threads (4 warps)
+MMA_ROWS, MMA_THREADS = 64, 128
 
 
 def _bf16(*arrays: DeviceArray | None) -> None:
@@ -921,8 +969,16 @@ def mamba_conv1d_backward(d_y: DeviceArray | None, x: DeviceArray, weight: Devic
                        (g.ptr, x.ptr, _ptr(conv_state), d_w.ptr, _ptr(d_b), b, d, t, k))
 
 
-#: warps (channels) per block of the scan kernels
+#: warps (channels) per block of the sequential scan kernels
 SCAN_WARPS = 4
+#: the chunked scan (long sequences): steps per thread (SCAN_ITEMS in mamba.cu), at most this many threads per
+#: block (a chunk of at most SCAN_ITEMS * SCAN_CHUNK_THREADS steps), and N up to SCAN_MAX_N (shared memory)
+SCAN_ITEMS = 8
+SCAN_CHUNK_THREADS = 128
+SCAN_MAX_N = 256
+#: sequences shorter than this (with N <= 32) run the sequential kernel, a warp per channel: below a chunk
+#: of a single warp its T steps cost less than the chunked kernel's N block scans (an estimate, untimed)
+SCAN_CHUNKED_MIN_T = 128
 
 
 def _scan_dims(u: DeviceArray, A: DeviceArray, B: DeviceArray, op: str) -> tuple[int, int, int, int, int]:
@@ -933,12 +989,23 @@ def _scan_dims(u: DeviceArray, A: DeviceArray, B: DeviceArray, op: str) -> tuple
     b, d, t = u.shape
     n = A.shape[1]
     g = B.shape[1] if len(B.shape) == 4 else 0
-    if n > 32:
-        raise KilnError(f"op {op!r} on cuda: the scan kernel holds a state of N <= 32 per channel (a lane "
-                        f"each); found N = {n}", hint="run this model on the numpy backend")
+    if n > SCAN_MAX_N:
+        raise KilnError(f"op {op!r} on cuda: the scan kernels hold a state of N <= {SCAN_MAX_N} per channel "
+                        f"(in shared memory); found N = {n}", hint="run this model on the numpy backend")
     if g and d % g:
         raise KilnError(f"op {op!r}: D = {d} channels do not split into G = {g} groups of B and C")
     return b, d, t, n, g
+
+
+def scan_chunked(t: int, n: int) -> bool:
+    """Whether a scan of ``t`` steps and ``n`` states takes the chunked kernels, not the sequential one."""
+    return n > 32 or t >= SCAN_CHUNKED_MIN_T
+
+
+def scan_threads(t: int) -> int:
+    """Threads of a block of the chunked scan for T = ``t``: whole warps, enough for T in one chunk, at most
+    SCAN_CHUNK_THREADS (then the block runs several chunks)."""
+    return min(SCAN_CHUNK_THREADS, max(32, cdiv(cdiv(t, SCAN_ITEMS), 32) * 32))
 
 
 def mamba_selective_scan(u: DeviceArray, delta: DeviceArray, A: DeviceArray, B: DeviceArray, C: DeviceArray,
@@ -946,16 +1013,24 @@ def mamba_selective_scan(u: DeviceArray, delta: DeviceArray, A: DeviceArray, B: 
                          delta_bias: DeviceArray | None = None, ssm_state: DeviceArray | None = None, *,
                          out: Sequence[DeviceArray | None], delta_softplus: bool = False,
                          return_last_state: bool = False) -> None:
-    """A warp per channel, a lane per state, sequential over time; the last state as the second output."""
+    """Short T: a warp per channel, a lane per state, sequential over time. Long T (or N > 32): the chunked
+    scan, a block per channel, its threads along time (:func:`scan_chunked`). The last state as the second
+    output."""
     _f32(u, delta, A, B, C, D, z, delta_bias, ssm_state)
     b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan")
     last = out[1] if return_last_state and len(out) > 1 else None
     with _Scratch(u.device) as s:
         y = s.out(out[0], u.shape)
-        if b * d:
+        ins = (u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias), _ptr(ssm_state),
+               y.ptr, _ptr(last))
+        if not b * d:
+            return
+        if scan_chunked(t, n):
+            u.device.launch("mamba_scan_chunked_f32", (b * d,), (scan_threads(t),),
+                            (*ins, 0, b, d, t, n, g, int(delta_softplus)))
+        else:
             u.device.launch("mamba_scan_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
-                            (u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias),
-                             _ptr(ssm_state), y.ptr, _ptr(last), b, d, t, n, g, int(delta_softplus)))
+                            (*ins, b, d, t, n, g, int(delta_softplus)))
 
 
 def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, delta: DeviceArray,
@@ -964,14 +1039,16 @@ def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, del
                                   delta_bias: DeviceArray | None = None, ssm_state: DeviceArray | None = None,
                                   d_last_state: DeviceArray | None = None, *,
                                   out: Sequence[DeviceArray | None], delta_softplus: bool = False) -> None:
-    """The forward replayed per channel (its states in the workspace: [B, D, T, N]), the scan in reverse,
-    then ordered sums: d_A, d_D, d_delta_bias over the batch, d_B and d_C over a group's channels."""
+    """Sequential (short T): the forward replayed per channel (its states in the workspace: [B, D, T, N]),
+    the scan in reverse. Chunked (long T): the chunked forward keeps only each chunk's first state ([B, D,
+    chunks, N]); the backward kernel replays a chunk from it and scans it in reverse, from the last chunk.
+    Then ordered sums: d_A, d_D, d_delta_bias over the batch, d_B and d_C over a group's channels."""
     _f32(d_out, u, delta, A, B, C, D, z, delta_bias, ssm_state, d_last_state)
     b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan_backward")
-    dev = u.device
+    dev, chunked = u.device, scan_chunked(t, n)
     with _Scratch(dev) as s:
-        h, y = s.array((b, d, t, n)), s.array(u.shape)
-        p_b, p_c, p_a, p_d, p_db = (s.array((b, d, t, n)), s.array((b, d, t, n)), s.array((b, d, n)),
+        p_b, p_c, p_a, p_d, p_db = (s.array((b, d, n, t) if chunked else (b, d, t, n)),
+                                    s.array((b, d, n, t) if chunked else (b, d, t, n)), s.array((b, d, n)),
                                     s.array((b, d)), s.array((b, d)))
         d_u, d_delta, d_a, d_b, d_c = (s.out(out[0], u.shape), s.out(out[1], u.shape), s.out(out[2], A.shape),
                                        s.out(out[3], B.shape), s.out(out[4], C.shape))
@@ -979,16 +1056,26 @@ def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, del
         d_state = out[8] if len(out) > 8 else None
         if not b * d:
             return
-        dev.launch("mamba_scan_backward_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
-                   (_ptr(d_out), u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias),
-                    _ptr(ssm_state), _ptr(d_last_state), h.ptr, y.ptr, d_u.ptr, d_delta.ptr, d_z.ptr, p_b.ptr,
-                    p_c.ptr, p_a.ptr, p_d.ptr, p_db.ptr, _ptr(d_state), b, d, t, n, g, int(delta_softplus)))
+        ins = (u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias))
+        grads = (d_u.ptr, d_delta.ptr, d_z.ptr, p_b.ptr, p_c.ptr, p_a.ptr, p_d.ptr, p_db.ptr, _ptr(d_state))
+        dims = (b, d, t, n, g, int(delta_softplus))
+        if chunked:
+            threads = scan_threads(t)
+            states = s.array((b, d, cdiv(t, threads * SCAN_ITEMS), n))
+            dev.launch("mamba_scan_chunked_f32", (b * d,), (threads,),
+                       (*ins, _ptr(ssm_state), 0, 0, states.ptr, *dims))
+            dev.launch("mamba_scan_chunked_backward_f32", (b * d,), (threads,),
+                       (_ptr(d_out), *ins, states.ptr, _ptr(d_last_state), *grads, *dims))
+        else:
+            h, y = s.array((b, d, t, n)), s.array(u.shape)
+            dev.launch("mamba_scan_backward_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
+                       (_ptr(d_out), *ins, _ptr(ssm_state), _ptr(d_last_state), h.ptr, y.ptr, *grads, *dims))
         for part, dst, size in ((p_a, d_a, d * n), (p_d, d_dv, d), (p_db, d_db, d)):
             dev.launch("mamba_sum_batch_f32", ew_grid(size), (THREADS,), (part.ptr, dst.ptr, b, size))
         for part, dst in ((p_b, d_b), (p_c, d_c)):
             if dst.size:
                 dev.launch("mamba_sum_group_f32", ew_grid(dst.size), (THREADS,),
-                           (part.ptr, dst.ptr, b, d, t, n, g))
+                           (part.ptr, dst.ptr, b, d, t, n, g, int(chunked)))
 
 
 # --- the bf16 precision recipe ---------------------------------------------------------------------
@@ -1190,6 +1277,51 @@ def fused_lm_head_loss_backward_bf16(d_loss: DeviceArray | None, x: DeviceArray,
         store()
 
 
+def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray, weight: DeviceArray,
+                                     targets: DeviceArray, *, loss: DeviceArray | None,
+                                     lse: DeviceArray | None, d_x: DeviceArray | None,
+                                     d_weight: DeviceArray | None, ignore_index: int = -100,
+                                     **unsupported: Any) -> None:
+    """:func:`fused_lm_head_loss_and_grad` under the bf16 recipe, rounding where
+    :func:`fused_lm_head_loss_bf16` and its backward round (so their bits): x and the weight as bf16; per
+    tile, the logits of their product (fp32 accumulate) read rounded to bf16 by one kernel per row that
+    writes the loss, the log-sum-exp and the logits' gradient rounded to bf16; then ``d_x = g w`` on bf16
+    operands rounded to bf16, and ``d_weight = g^T x`` summed over the tiles in fp32 and rounded once.
+    One tile of float32 logits and one of their bf16 gradient are held."""
+    _fused_attrs(unsupported)
+    _i32(targets, "targets")
+    n, v = x.shape[0], weight.shape[0]
+    dev = x.device
+    with _Scratch(dev) as s:
+        xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
+        dl = as_dtype(s, d_loss, "float32")
+        assert xb is not None and wb is not None
+        ys, store = _bf16_outputs(s, (loss, lse, d_x, d_weight), ("float32",) * 4)
+        loss_, lse_, dx, dw = s.out(ys[0], (n,)), s.out(ys[1], (n,)), ys[2], ys[3]
+        tiles = _head_tiles(n, v)
+        zbuf = s.array((tiles[0][1], v)) if n else None
+        gbuf = s.array((tiles[0][1], v), "bfloat16") if n else None
+        for i, (r0, r1) in enumerate(tiles):
+            assert zbuf is not None and gbuf is not None
+            xr, z, g = _rows_of(xb, r0, r1), _tile(zbuf, r0, r1), _tile(gbuf, r0, r1)
+            matmul(xr, wb, out=(z,), transpose="NT")
+            dev.launch("lm_head_loss_grad_bf16", (r1 - r0,), row_block(v),
+                       (0 if dl is None else _rows_of(dl, r0, r1).ptr, z.ptr, _rows_of(targets, r0, r1).ptr,
+                        _rows_of(loss_, r0, r1).ptr, _rows_of(lse_, r0, r1).ptr, g.ptr, v, ignore_index))
+            if dx is not None:
+                dxr = _rows_of(dx, r0, r1)
+                matmul(g, wb, out=(dxr,))
+                with _Scratch(dev) as t:
+                    round_bf16(t, dxr, into=dxr)
+            if dw is not None:
+                matmul(g, xr, dw if i else None, out=(dw,), transpose="TN")
+        if dw is not None:
+            if not n:
+                dev.memset(dw.ptr, 0, dw.nbytes)
+            round_bf16(s, dw, into=dw)
+        store()
+
+
 #: kernels of the bf16 recipe that read and write their slots' dtypes themselves (the backend runs every
 #: other kernel on float32 copies of bf16 tensors, rounding where the recipe says)
 BF16_KERNELS: dict[str, Callable[..., None]] = {
@@ -1201,6 +1333,12 @@ BF16_KERNELS: dict[str, Callable[..., None]] = {
     "qkv_qk_norm_rope_backward": qkv_qk_norm_rope_backward_bf16,
     "fused_lm_head_loss": fused_lm_head_loss_bf16,
     "fused_lm_head_loss_backward": fused_lm_head_loss_backward_bf16,
+}
+#: the Program fusions the backend runs (its ``capabilities``): fusion -> (its float32 kernel, its kernel
+#: under the bf16 recipe, the ops whose steps it replaces)
+FUSIONS: dict[str, tuple[Callable[..., None], Callable[..., None], tuple[str, ...]]] = {
+    "fused_lm_head_loss_and_grad": (fused_lm_head_loss_and_grad, fused_lm_head_loss_and_grad_bf16,
+                                    ("fused_lm_head_loss", "fused_lm_head_loss_backward")),
 }
 #: ops whose kernels take bf16 operands (the backend hands a ``lower`` step of them its float inputs as
 #: bf16, rounded where they are float32, instead of float32 copies of bf16 values): cuBLASLt's bf16 GEMM
@@ -1421,6 +1559,62 @@ def moe_aux_loss_backward(d_loss: DeviceArray | None, d_aux: DeviceArray | None,
     load.device.launch("moe_aux_loss_backward_f32", (1,), (THREADS,),
                        (_ptr(d_loss), _ptr(d_aux), targets.ptr, load.ptr, out[0].ptr, targets.size, load.size,
                         coef, num_layers, ignore_index))
+
+
+def _router_probs(s: _Scratch, x: DeviceArray, gate: DeviceArray, use_sigmoid: bool, op: str) -> DeviceArray:
+    """moe_router's probs [N, E] in the workspace: the matmul x @ gate^T, then softmax (or sigmoid) in place
+    (each thread reads an element before it writes it)."""
+    _f32(x, gate)
+    if len(x.shape) != 2 or len(gate.shape) != 2 or x.shape[1] != gate.shape[1]:
+        raise KilnError(f"op {op!r} on cuda: x [N, C] and gate [E, C] expected, found {x.shape} and "
+                        f"{gate.shape}")
+    probs = s.array((x.shape[0], gate.shape[0]))
+    matmul(x, gate, out=(probs,), transpose="NT")
+    if probs.size:
+        (moe_sigmoid if use_sigmoid else moe_softmax)(probs, out=(probs,))
+    return probs
+
+
+def moe_router(x: DeviceArray, gate: DeviceArray, *, out: Sequence[DeviceArray | None], top_k: int,
+               normalize: bool, aux_loss_coef: float, use_sigmoid: bool) -> None:
+    """A composition: the router's probs, the top-k kernel, the load statistics of all rows (a block per
+    expert), then one block sums the loss over the experts in order."""
+    n, e = x.shape[0], gate.shape[0]
+    if not 1 <= top_k <= e:
+        raise KilnError(f"op 'moe_router': top_k = {top_k} is not in 1..{e} (the number of experts)")
+    with _Scratch(x.device) as s:
+        probs = _router_probs(s, x, gate, use_sigmoid, "moe_router")
+        w, idx, aux = s.out(out[0], (n, top_k)), s.out(out[1], (n, top_k), "int32"), s.out(out[2], ())
+        moe_topk(probs, out=(w, idx), k=top_k, normalize=normalize)
+        load, mean = s.array((e,)), s.array((e,))
+        moe_load_stats(probs, idx, out=(load, mean))
+        x.device.launch("moe_router_aux_f32", (1,), (THREADS,),
+                        (load.ptr, mean.ptr, aux.ptr, e, aux_loss_coef))
+
+
+def moe_router_backward(d_weights: DeviceArray | None, d_aux_loss: DeviceArray | None, x: DeviceArray,
+                        gate: DeviceArray, indices: DeviceArray, *, out: Sequence[DeviceArray],
+                        normalize: bool, aux_loss_coef: float, use_sigmoid: bool, dtype: Any = None) -> None:
+    """d_logits: the probs recomputed, the top-k kernel's backward (zeros without d_weights), the loss's
+    share added from the assignment counts, then the softmax (or sigmoid) backward."""
+    _f32(d_weights, d_aux_loss)
+    _i32(indices, "expert indices")
+    n, e = x.shape[0], gate.shape[0]
+    dev = x.device
+    with _Scratch(dev) as s:
+        probs = _router_probs(s, x, gate, use_sigmoid, "moe_router_backward")
+        d_probs = s.array((n, e))
+        if d_weights is not None:
+            moe_topk_backward(d_weights, probs, indices, out=(d_probs,), normalize=normalize)
+        else:
+            dev.memset(d_probs.ptr, 0, d_probs.nbytes)
+        if d_aux_loss is not None and n * e:
+            load, mean = s.array((e,)), s.array((e,))
+            moe_load_stats(probs, indices, out=(load, mean))
+            dev.launch("moe_router_aux_backward_f32", ew_grid(n * e), (THREADS,),
+                       (d_aux_loss.ptr, load.ptr, d_probs.ptr, n, e, aux_loss_coef))
+        if n * e:
+            (moe_sigmoid_backward if use_sigmoid else moe_softmax_backward)(d_probs, probs, out=out)
 
 
 def _expert_rows(offsets: DeviceArray) -> list[tuple[int, int]]:
@@ -1666,6 +1860,8 @@ KERNELS: dict[str, tuple[Callable[..., Any], frozenset[int]]] = {
     "moe_load_stats_backward": (moe_load_stats_backward, frozenset()),
     "moe_aux_loss": (moe_aux_loss, frozenset({0})),
     "moe_aux_loss_backward": (moe_aux_loss_backward, frozenset()),
+    "moe_router": (moe_router, frozenset()),
+    "moe_router_backward": (moe_router_backward, frozenset()),
     "moe_permute": (moe_permute, frozenset()),
     "moe_permute_backward": (moe_permute_backward, frozenset()),
     "moe_unpermute": (moe_unpermute, frozenset()),
@@ -1680,3 +1876,335 @@ KERNELS: dict[str, tuple[Callable[..., Any], frozenset[int]]] = {
     "adamw_update": (adamw_update, frozenset()),
     "sgd_update": (sgd_update, frozenset()),
 }
+
+
+# --- issue 17: the norms' recompute variants, the remaining pointwise ops, reductions and layout ----------
+
+
+def rmsnorm_apply_saved(x: DeviceArray, rstd: DeviceArray, weight: DeviceArray, *,
+                        out: Sequence[DeviceArray]) -> None:
+    """The recompute variant of ``rmsnorm``: y from the saved rstd, the forward kernel's products in its
+    order (a replay gives the forward's bits)."""
+    _f32(x, rstd, weight, out[0])
+    c = x.shape[-1]
+    if x.size:
+        x.device.launch("rmsnorm_apply_saved_f32", ew_grid(x.size), (THREADS,),
+                        (x.ptr, rstd.ptr, weight.ptr, out[0].ptr, x.size, c))
+
+
+def fused_residual_rmsnorm_apply_saved(residual: DeviceArray, x: DeviceArray, rstd: DeviceArray,
+                                       weight: DeviceArray, *, out: Sequence[DeviceArray | None]) -> None:
+    """The recompute variant of ``fused_residual_rmsnorm``: the residual sum again and y from the saved
+    rstd, as the forward kernel computes them (bit for bit)."""
+    _f32(residual, x, rstd, weight)
+    c = x.shape[-1]
+    with _Scratch(x.device) as s:
+        res, y = s.out(out[0], x.shape), s.out(out[1], x.shape)
+        if x.size:
+            x.device.launch("fused_residual_rmsnorm_apply_saved_f32", ew_grid(x.size), (THREADS,),
+                            (residual.ptr, x.ptr, rstd.ptr, weight.ptr, res.ptr, y.ptr, x.size, c))
+
+
+def _contiguous(shape: Sequence[int]) -> list[int]:
+    """Element strides of a row-major array of ``shape``."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+#: dims of the strided copy kernel (layout.cu); more, once contiguous ones are merged, is a KilnError
+COPY_DIMS = 6
+
+
+def strided_copy(src: DeviceArray, dst: DeviceArray, shape: Sequence[int], src_strides: Sequence[int],
+                 dst_strides: Sequence[int], src_off: int = 0, dst_off: int = 0) -> None:
+    """``dst[dst_off + sum k_i t_i] = src[src_off + sum k_i s_i]`` for every index ``k`` of ``shape``
+    (strides and offsets in elements): one launch of ``strided_copy_b32``, the dims of size 1 dropped and
+    dims contiguous on both sides merged."""
+    for a in (src, dst):
+        if itemsize(a.dtype) != 4:
+            raise KilnError(f"kiln.cuda's layout kernels copy 32-bit elements (float32, int32); found a "
+                            f"{a.dtype} tensor {a.shape}")
+    n = math.prod(shape)
+    if not n:
+        return
+    dims: list[tuple[int, int, int]] = []
+    for d, s_, t in zip(shape, src_strides, dst_strides, strict=True):
+        if d == 1:
+            continue
+        if dims and dims[-1][1] == d * s_ and dims[-1][2] == d * t:
+            dims[-1] = (dims[-1][0] * d, s_, t)
+        else:
+            dims.append((d, s_, t))
+    if len(dims) > COPY_DIMS:
+        raise KilnError(f"a layout op on cuda: {tuple(shape)} needs {len(dims)} dims after merging, the copy "
+                        f"kernel takes {COPY_DIMS}")
+    dims = [(1, 0, 0)] * (COPY_DIMS - len(dims)) + dims
+    sizes, ss, ts = zip(*dims, strict=True)
+    src.device.launch("strided_copy_b32", ew_grid(n), (THREADS,),
+                      (src.ptr + 4 * src_off, dst.ptr + 4 * dst_off, n, *sizes[1:], *ss, *ts))
+
+
+def _permute_into(x: DeviceArray, o: DeviceArray, perm: Sequence[int], op: str) -> None:
+    """``o`` = ``x`` with its axes reordered: axis k of ``o`` is axis ``perm[k]`` of ``x``."""
+    shape = tuple(x.shape[p] for p in perm)
+    if o.shape != shape:
+        raise KilnError(f"op {op!r} on cuda: out {o.shape} is not x {x.shape} permuted by {tuple(perm)}")
+    xs = _contiguous(x.shape)
+    strided_copy(x, o, shape, [xs[p] for p in perm], _contiguous(shape))
+
+
+def transpose(x: DeviceArray, *, out: Sequence[DeviceArray], dim0: int, dim1: int) -> None:
+    rank = len(x.shape)
+    perm = list(range(rank))
+    a, b = dim0 % rank, dim1 % rank
+    perm[a], perm[b] = perm[b], perm[a]
+    _permute_into(x, out[0], perm, "transpose")
+
+
+def permute(x: DeviceArray, *, out: Sequence[DeviceArray], dims: Sequence[int]) -> None:
+    rank = len(x.shape)
+    _permute_into(x, out[0], [d % rank for d in dims], "permute")
+
+
+def concat(*xs: DeviceArray, out: Sequence[DeviceArray], dim: int = -1) -> None:
+    """A strided copy of each input into its slice of ``out`` along ``dim``."""
+    o = out[0]
+    axis, strides, at = dim % len(o.shape), _contiguous(o.shape), 0
+    for x in xs:
+        strided_copy(x, o, x.shape, _contiguous(x.shape), strides, 0, at * strides[axis])
+        at += x.shape[axis]
+    if at != o.shape[axis]:
+        raise KilnError(f"op 'concat' on cuda: inputs of {at} along dim {dim} for out {o.shape}")
+
+
+def split(x: DeviceArray, *, out: Sequence[DeviceArray | None], sizes: Sequence[int], dim: int = -1) -> None:
+    """A strided copy of each slice of ``x`` along ``dim`` into its part (parts nothing reads are skipped)."""
+    axis, strides = dim % len(x.shape), _contiguous(x.shape)
+    if sum(sizes) != x.shape[axis] or len(sizes) != len(out):
+        raise KilnError(f"op 'split' on cuda: sizes {list(sizes)} do not split dim {dim} of {x.shape} into "
+                        f"{len(out)} parts")
+    at = 0
+    for part, size in zip(out, sizes, strict=True):
+        if part is not None:
+            strided_copy(x, part, part.shape, strides, _contiguous(part.shape), at * strides[axis])
+        at += size
+
+
+def _expanded_strides(x: tuple[int, ...], shape: tuple[int, ...], new: Sequence[int], op: str) -> list[int]:
+    """Element strides that read ``x`` broadcast to ``shape``: 0 along ``new`` axes (those ``x`` lacks) and
+    along ``x``'s dims of size 1."""
+    kept = [i for i in range(len(shape)) if i not in new]
+    if len(kept) != len(x) or any(d not in (1, shape[i]) for d, i in zip(x, kept, strict=True)):
+        raise KilnError(f"op {op!r} on cuda: {x} does not broadcast to {shape}"
+                        + (f" with new axes {list(new)}" if new else ""))
+    xs, strides = _contiguous(x), [0] * len(shape)
+    for j, i in enumerate(kept):
+        strides[i] = xs[j] if x[j] != 1 else 0
+    return strides
+
+
+def broadcast_to(x: DeviceArray, *, out: Sequence[DeviceArray], shape: Any = None,
+                 axes: Sequence[int] = ()) -> None:
+    """One strided copy reading ``x`` with stride 0 along the broadcast axes."""
+    o = out[0]
+    rank = len(o.shape)
+    new = sorted(a % rank for a in axes) if axes else list(range(rank - len(x.shape)))
+    strided_copy(x, o, o.shape, _expanded_strides(x.shape, o.shape, new, "broadcast_to"),
+                 _contiguous(o.shape))
+
+
+def _trailing_size(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+    """b's element count where b has a's shape or a's trailing shape (leading 1s allowed), else None."""
+    bs = list(b)
+    while bs and bs[0] == 1:
+        bs.pop(0)
+    return max(math.prod(bs), 1) if tuple(bs) == a[len(a) - len(bs):] else None
+
+
+def div(a: DeviceArray, b: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    """``div_f32``: b of a's shape or its trailing shape; other broadcasts (either way) copy the operands
+    broadcast to out's shape into the workspace first (:func:`broadcast_to`)."""
+    _f32(a, b, out[0])
+    o = out[0]
+    with _Scratch(a.device) as s:
+        if a.shape != o.shape:
+            a_full = s.array(o.shape)
+            broadcast_to(a, out=(a_full,))
+            a = a_full
+        nb = _trailing_size(a.shape, b.shape)
+        if nb is None:
+            b_full = s.array(o.shape)
+            broadcast_to(b, out=(b_full,))
+            b, nb = b_full, o.size
+        if o.size:
+            a.device.launch("div_f32", ew_grid(o.size), (THREADS,), (a.ptr, b.ptr, o.ptr, o.size, nb))
+
+
+def geglu(gate: DeviceArray, up: DeviceArray, *, out: Sequence[DeviceArray],
+          approximate: str = "none") -> None:
+    _f32(gate, up)
+    if gate.size:
+        gate.device.launch("geglu_f32", ew_grid(gate.size), (THREADS,),
+                           (gate.ptr, up.ptr, out[0].ptr, gate.size, _is_tanh(approximate)))
+
+
+def add3(a: DeviceArray, b: DeviceArray, c: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+    _f32(a, b, c, out[0])
+    if a.size:
+        a.device.launch("add3_f32", ew_grid(a.size), (THREADS,), (a.ptr, b.ptr, c.ptr, out[0].ptr, a.size))
+
+
+def matmul_bias(x: DeviceArray, w: DeviceArray, bias: DeviceArray, *, out: Sequence[DeviceArray],
+                transpose: str = "NT") -> None:
+    """The ``matmul`` path (cuBLASLt or the SIMT kernel; bf16 ``x`` and ``w`` under the bf16 recipe), then the
+    bias added over the last dim in place (``add_f32``)."""
+    o = out[0]
+    _f32(bias, o)
+    matmul(x, w, out=(o,), transpose=transpose)
+    if o.size:
+        o.device.launch("add_f32", ew_grid(o.size), (THREADS,),
+                        (o.ptr, bias.ptr, o.ptr, o.size, max(bias.size, 1)))
+
+
+def qk_norm(q: DeviceArray, k: DeviceArray, q_weight: DeviceArray, k_weight: DeviceArray, *,
+            out: Sequence[DeviceArray | None], eps: float) -> None:
+    """Two launches of the rmsnorm row kernel: q with its weight, k with its own."""
+    rmsnorm(q, q_weight, out=(out[0], out[2]), eps=eps)
+    rmsnorm(k, k_weight, out=(out[1], out[3]), eps=eps)
+
+
+#: reduce.cu's op codes
+_REDUCE_OPS = {"reduce_sum": 0, "reduce_mean": 1, "reduce_max": 2}
+#: reduced lengths from which a contiguous row gets a block of its own; shorter rows, and columns, a thread
+ROW_REDUCE = 128
+
+
+def _reduced(shape: tuple[int, ...], axes: Sequence[int], op: str) -> tuple[list[int], list[int], bool]:
+    """(kept axes, reduced axes, whether the reduced axes are adjacent)."""
+    rank = len(shape)
+    red = sorted({a % rank for a in axes})
+    if not red:
+        raise KilnError(f"op {op!r}: axes must name at least one axis of {shape}")
+    return [i for i in range(rank) if i not in red], red, red[-1] - red[0] == len(red) - 1
+
+
+def _reduce_launch(x: DeviceArray, o: DeviceArray, outer: int, r: int, inner: int, code: int,
+                   op: str) -> None:
+    if not outer * inner:
+        return
+    if not r:
+        if code:
+            raise KilnError(f"op {op!r} on cuda: a reduction over an empty axis has no {op[7:]}")
+        o.device.memset(o.ptr, 0, o.nbytes)
+    elif inner == 1 and r >= ROW_REDUCE:
+        x.device.launch("reduce_rows_f32", (outer,), row_block(r), (x.ptr, o.ptr, r, code))
+    else:
+        x.device.launch("reduce_cols_f32", (cdiv(outer * inner, THREADS),), (THREADS,),
+                        (x.ptr, o.ptr, outer, r, inner, code))
+
+
+def _reduce(op: str) -> Callable[..., None]:
+    """``reduce_sum`` / ``reduce_mean`` / ``reduce_max``: x as [outer, R, inner] around adjacent reduced
+    axes (a block per row when inner is 1 and R at least ``ROW_REDUCE``, else a thread per output), other
+    axis sets gathered to the end first."""
+    code = _REDUCE_OPS[op]
+
+    def fn(x: DeviceArray, *, out: Sequence[DeviceArray], axes: Sequence[int],
+           keepdims: bool = False) -> None:
+        _f32(x, out[0])
+        kept, red, adjacent = _reduced(x.shape, axes, op)
+        r = math.prod(x.shape[i] for i in red)
+        with _Scratch(x.device) as s:
+            if adjacent:
+                outer, inner = math.prod(x.shape[:red[0]]), math.prod(x.shape[red[-1] + 1:])
+            else:
+                moved = s.array(tuple(x.shape[i] for i in kept + red))
+                _permute_into(x, moved, kept + red, op)
+                x, outer, inner = moved, math.prod(x.shape[i] for i in kept), 1
+            _reduce_launch(x, out[0], outer, r, inner, code, op)
+
+    return fn
+
+
+def reduce_mean_backward(d: DeviceArray, *, out: Sequence[DeviceArray], shape: Any = None,
+                         axes: Sequence[int] = (), keepdims: bool = False) -> None:
+    """d broadcast back over the reduced axes (:func:`strided_copy`), then scaled by 1 / count in place."""
+    _f32(d, out[0])
+    o = out[0]
+    rank = len(o.shape)
+    red = sorted({a % rank for a in axes})
+    count = math.prod(o.shape[i] for i in red)
+    src = tuple(n for i, n in enumerate(o.shape) if i not in red)  # d's elements, with or without keepdims
+    if d.size != math.prod(src):
+        raise KilnError(f"op 'reduce_mean_backward' on cuda: d_out {d.shape} is not d_x {o.shape} reduced "
+                        f"over axes {list(axes)}")
+    strided_copy(d, o, o.shape, _expanded_strides(src, o.shape, red, "reduce_mean_backward"),
+                 _contiguous(o.shape))
+    if o.size:
+        o.device.launch("scale_f32", ew_grid(o.size), (THREADS,), (o.ptr, o.ptr, 1.0 / count, o.size))
+
+
+def reduce_max_backward(d: DeviceArray, x: DeviceArray, y: DeviceArray, *, out: Sequence[DeviceArray],
+                        axes: Sequence[int], keepdims: bool = False) -> None:
+    """A thread per reduced group counts its maxima (ties share d evenly) and writes its part of d_x; other
+    axis sets than adjacent ones run on x with the reduced axes moved to the end, d_x moved back."""
+    op = "reduce_max_backward"
+    _f32(d, x, y, out[0])
+    kept, red, adjacent = _reduced(x.shape, axes, op)
+    r = math.prod(x.shape[i] for i in red)
+    dev = x.device
+    with _Scratch(dev) as s:
+        d_x = out[0]
+        if adjacent:
+            outer, inner = math.prod(x.shape[:red[0]]), math.prod(x.shape[red[-1] + 1:])
+        else:
+            perm = kept + red
+            moved = s.array(tuple(x.shape[i] for i in perm))
+            _permute_into(x, moved, perm, op)
+            x, d_x, outer, inner = moved, s.array(moved.shape), math.prod(x.shape[i] for i in kept), 1
+        if outer * inner * r:
+            dev.launch("reduce_max_backward_f32", (cdiv(outer * inner, THREADS),), (THREADS,),
+                       (d.ptr, x.ptr, y.ptr, d_x.ptr, outer, r, inner))
+        if d_x is not out[0]:
+            _permute_into(d_x, out[0], [int(i) for i in np.argsort(perm)], op)
+
+
+#: core ops that have no kernel of their own on ``cuda``, and what runs instead: the planner makes an alias
+#: op's output a view of its input's storage in the arena (``Step.how == "alias"``: nothing runs), or a
+#: device copy where the output has a slot of its own (a gradient: ``how == "copy"``)
+COMPOSITIONS: dict[str, str] = {
+    "reshape": "an alias of its input in the arena (a device copy into a slot of its own)",
+    "view": "an alias of its input in the arena (a device copy into a slot of its own)",
+    "contiguous": "an alias of its input in the arena (a device copy into a slot of its own)",
+}
+
+KERNELS.update({
+    "rmsnorm_apply_saved": (rmsnorm_apply_saved, frozenset({0})),
+    "fused_residual_rmsnorm_apply_saved": (fused_residual_rmsnorm_apply_saved, frozenset({0, 1})),
+    "div": (div, frozenset({0})),
+    "exp": (_unary("exp_f32"), frozenset({0})),
+    "reciprocal": (_unary("reciprocal_f32"), frozenset({0})),
+    "sigmoid": (_unary("sigmoid_f32"), frozenset({0})),
+    "sigmoid_backward": (_unary_backward("sigmoid_backward_f32"), frozenset()),
+    "relu2": (_unary("relu2_f32"), frozenset()),
+    "relu2_backward": (_unary_backward("relu2_backward_f32"), frozenset()),
+    "geglu": (geglu, frozenset()),
+    "add3": (add3, frozenset()),
+    "matmul_bias": (matmul_bias, frozenset()),
+    "qk_norm": (qk_norm, frozenset()),
+    "reduce_sum": (_reduce("reduce_sum"), frozenset()),
+    "reduce_mean": (_reduce("reduce_mean"), frozenset()),
+    "reduce_max": (_reduce("reduce_max"), frozenset()),
+    "reduce_mean_backward": (reduce_mean_backward, frozenset()),
+    "reduce_max_backward": (reduce_max_backward, frozenset()),
+    "transpose": (transpose, frozenset()),
+    "permute": (permute, frozenset()),
+    "concat": (concat, frozenset()),
+    "split": (split, frozenset()),
+    "broadcast_to": (broadcast_to, frozenset()),
+})
+#: matmul_bias takes bf16 x and w under the bf16 recipe, as matmul does (cuBLASLt's bf16 GEMM on a GPU)
+BF16_OPERANDS = BF16_OPERANDS | {"matmul_bias"}

@@ -69,7 +69,7 @@ UPDATE_OPS = frozenset({"grad_norm", "adamw_update", "sgd_update"})
 
 def register_kernels(registry: Any, without: Iterable[str] = ()) -> None:
     """Put kiln's CUDA kernels (less those of the ops in ``without``) in the kernel table ``registry``."""
-    from kiln.cuda._ops import BF16_KERNELS, KERNELS
+    from kiln.cuda._ops import BF16_KERNELS, FUSIONS, KERNELS
 
     skip = set(without)
     for op, (fn, inplace) in KERNELS.items():
@@ -80,6 +80,11 @@ def register_kernels(registry: Any, without: Iterable[str] = ()) -> None:
             # rounding points lie inside them, and attention on tensor cores)
             registry.register_kernel(op, "cuda", "bfloat16", BF16_KERNELS.get(op, fn),
                                      out=op not in UPDATE_OPS, inplace=() if op in BF16_KERNELS else inplace)
+    # the fusions the backend plans (CudaBackend.capabilities), unless an op they fuse is left out
+    for name, (fn, fn_bf16, fused) in FUSIONS.items():
+        if name not in skip and not skip.intersection(fused):
+            registry.register_kernel(name, "cuda", "float32", fn, out=True)
+            registry.register_kernel(name, "cuda", "bfloat16", fn_bf16, out=True)
 
 
 @hookimpl

@@ -5,9 +5,11 @@ Each step of the Program takes ``max(flops / peak, bytes / bandwidth)`` plus a k
 device's float32 rate on CUDA cores, or, for the matmul-like ops with ``matmul="tf32"`` or ``"bf16"``,
 its dense tensor-core rate. Matmul-like: the ops with the ``flop_heavy`` trait (matmuls, attention),
 their backward ops, and any op doing at least :data:`MATMUL_INTENSITY` FLOPs per byte (the LM head
-fused with its loss). A view costs nothing. MFU is the FLOPs of the matmul-like steps (the model's
-own work, recomputation included) over the predicted time at the device's dense bf16 tensor-core
-peak, the usual yardstick.
+fused with its loss). A view costs nothing. The Program's fusions run as one step each: the LM head's
+loss and gradient in one pass (``fused_lm_head_loss_and_grad``) cost its forward and backward steps
+less the backward's recompute of the logits (one product and one read of x and the weight fewer). MFU
+is the FLOPs of the matmul-like steps (the model's own work, recomputation included) over the predicted
+time at the device's dense bf16 tensor-core peak, the usual yardstick.
 """
 
 from __future__ import annotations
@@ -87,25 +89,39 @@ def roofline(program: Any, device: str = "h100", matmul: str = "fp32") -> Roofli
         return (registry.get_op(op_type).flop_heavy or heavy_forward
                 or flops >= MATMUL_INTENSITY * max(nbytes, 1.0))
 
+    def cost_of(st: Any) -> tuple[float, float]:
+        opdef = registry.get_op(st.op.type)
+        shapes = [tuple(program.tensors[k].shape) if k else () for k in st.inputs]
+        cost = opdef.cost(shapes, st.attrs) if opdef.cost is not None else None
+        if cost is not None:
+            return cost.flops, cost.bytes
+        return 0.0, float(sum(program.tensors[k].nbytes for k in st.outputs if k))
+
+    fused = {i: f for f in getattr(program, "fusions", ()) for i in f.steps}
     by_op: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0, 0.0, 0.0, 0.0])
     total = model_flops = 0.0
     for st in program.steps:
         if st.how == "alias":
             continue
-        opdef = registry.get_op(st.op.type)
-        shapes = [tuple(program.tensors[k].shape) if k else () for k in st.inputs]
-        cost = opdef.cost(shapes, st.attrs) if opdef.cost is not None else None
-        flops = cost.flops if cost is not None else 0.0
-        nbytes = cost.bytes if cost is not None else float(sum(program.tensors[k].nbytes
-                                                                 for k in st.outputs if k))
-        heavy = matmul_like(st.op.type, flops, nbytes)
+        fusion = fused.get(st.index) if fused else None
+        if fusion is None:
+            op_type, (flops, nbytes) = st.op.type, cost_of(st)
+            heavy = matmul_like(op_type, flops, nbytes)
+        elif st.index != fusion.steps[0]:
+            continue
+        else:  # the fused steps' costs, less the logits product and the reads of x and w they repeat
+            costs = [cost_of(program.steps[i]) for i in fusion.steps]
+            (n, c), v = program.tensors[fusion.inputs[1]].shape, program.tensors[fusion.inputs[2]].shape[0]
+            op_type, heavy = fusion.kind, True
+            flops = sum(f for f, _ in costs) - 2.0 * n * v * c
+            nbytes = sum(b for _, b in costs) - 4.0 * (n * c + v * c)
         peak = dev.tensor[matmul] if heavy and matmul != "fp32" else dev.fp32
         compute, memory = flops / peak, nbytes / dev.bandwidth
         secs = max(compute, memory) + dev.launch
         total += secs
         if heavy:
             model_flops += flops
-        row = by_op[st.op.type]
+        row = by_op[op_type]
         row[0] += secs
         row[1] += 1
         row[2] += flops

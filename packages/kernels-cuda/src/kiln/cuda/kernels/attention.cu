@@ -356,3 +356,124 @@ extern "C" __global__ void qk_norm_backward_dw_rp_bf16(const float* g_all, const
         }
     dw[d] = acc;
 }
+
+// attention and attention_backward on separate q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (cross attention
+// when Tq != Tk): the flash kernels' math with query i at key position p = i + Tk - Tq (aligned to the end
+// of the keys, as the reference and flash-attn; p = i when Tq == Tk). Masks and ALiBi take p for i; segment
+// ids are [B, Tk] and a query's segment is that of its key position (the launch requires Tq <= Tk then).
+// out is [B, Tq, Hq, D], lse and shift [B, Hq, Tq]. Grid (Tq, Hq, B), 32 threads.
+extern "C" __global__ void attention_f32(const float* q, const float* k, const float* v, const int* seg,
+                                         float* out, float* lse, int Tq, int Tk, int Hq, int Hkv, int D,
+                                         int causal, int window, float scale, float softcap, int alibi) {
+    int i = blockIdx.x, h = blockIdx.y, p = i + Tk - Tq;
+    float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
+    long long b = blockIdx.z, row = (b * Tq + i) * Hq + h;
+    int g = h / (Hq / Hkv);
+    const float* qi = q + row * D;
+    float acc[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) acc[u] = 0.0f;
+    float m = -INFINITY, total = 0.0f;
+    for (int j = 0; j < Tk; ++j) {
+        if (!visible(p, j, causal, window, seg, b, Tk)) continue;
+        long long kv = ((b * Tk + j) * Hkv + g) * D;
+        float s = logit(row_dot(qi, k + kv, D) * scale, softcap, slope, p, j, &th);
+        float m_new = fmaxf(m, s);
+        float alpha = expf(m - m_new), e = expf(s - m_new);
+        total = total * alpha + e;
+#pragma unroll
+        for (int u = 0; u < PER_LANE; ++u) {
+            int d = threadIdx.x + 32 * u;
+            if (d < D) acc[u] = acc[u] * alpha + e * v[kv + d];
+        }
+        m = m_new;
+    }
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        int d = threadIdx.x + 32 * u;
+        if (d < D) out[row * D + d] = total > 0.0f ? acc[u] / total : 0.0f;
+    }
+    if (threadIdx.x == 0) lse[(b * Hq + h) * Tq + i] = total > 0.0f ? m + logf(total) : INFINITY;
+}
+
+// attention_backward, queries: dq_i = scale sum_j P (dP + shift_i) k_j with shift_i = d_lse_i - dO_i . O_i
+// (written to shift for the key kernel); d_out and d_lse may be null. Grid (Tq, Hq, B), 32 threads.
+extern "C" __global__ void attention_backward_dq_f32(const float* d_out, const float* q, const float* k,
+                                                     const float* v, const float* out, const float* lse,
+                                                     const float* d_lse, const int* seg, float* dq, float* shift,
+                                                     int Tq, int Tk, int Hq, int Hkv, int D, int causal,
+                                                     int window, float scale, float softcap, int alibi) {
+    int i = blockIdx.x, h = blockIdx.y, p = i + Tk - Tq;
+    float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
+    long long b = blockIdx.z, row = (b * Tq + i) * Hq + h, stat = (b * Hq + h) * Tq + i;
+    int g = h / (Hq / Hkv);
+    const float* qi = q + row * D;
+    const float* dO = d_out ? d_out + row * D : nullptr;
+    float sh = d_lse ? d_lse[stat] : 0.0f;
+    if (dO) sh -= row_dot(dO, out + row * D, D);
+    if (threadIdx.x == 0) shift[stat] = sh;
+    float l = lse[stat], acc[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) acc[u] = 0.0f;
+    for (int j = 0; j < Tk; ++j) {
+        if (!visible(p, j, causal, window, seg, b, Tk)) continue;
+        long long kv = ((b * Tk + j) * Hkv + g) * D;
+        float e = expf(logit(row_dot(qi, k + kv, D) * scale, softcap, slope, p, j, &th) - l);
+        float dp = dO ? row_dot(dO, v + kv, D) : 0.0f;
+        float ds = e * (dp + sh) * (1.0f - th * th);
+#pragma unroll
+        for (int u = 0; u < PER_LANE; ++u) {
+            int d = threadIdx.x + 32 * u;
+            if (d < D) acc[u] += ds * k[kv + d];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        int d = threadIdx.x + 32 * u;
+        if (d < D) dq[row * D + d] = acc[u] * scale;
+    }
+}
+
+// attention_backward, keys: dk_j = sum over the group's query heads and the queries that see key j (in
+// order) of P (dP + shift_i) scale q_i; dv_j = sum of P dO_i. Runs after the query kernel (reads its shift).
+// Grid (Tk, Hkv, B), 32 threads.
+extern "C" __global__ void attention_backward_dkv_f32(const float* d_out, const float* q, const float* k,
+                                                      const float* v, const float* lse, const float* shift,
+                                                      const int* seg, float* dk, float* dv, int Tq, int Tk,
+                                                      int Hq, int Hkv, int D, int causal, int window,
+                                                      float scale, float softcap, int alibi) {
+    int j = blockIdx.x, g = blockIdx.y, rep = Hq / Hkv;
+    long long b = blockIdx.z, kv = ((b * Tk + j) * Hkv + g) * D;
+    float gk[PER_LANE], gv[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) gk[u] = gv[u] = 0.0f;
+    for (int h = g * rep; h < (g + 1) * rep; ++h) {
+        float slope = alibi ? alibi_slope(h, Hq) : 0.0f, th;
+        for (int i = 0; i < Tq; ++i) {
+            int p = i + Tk - Tq;
+            if (!visible(p, j, causal, window, seg, b, Tk)) continue;
+            long long row = (b * Tq + i) * Hq + h, stat = (b * Hq + h) * Tq + i;
+            const float* qi = q + row * D;
+            const float* dO = d_out ? d_out + row * D : nullptr;
+            float e = expf(logit(row_dot(qi, k + kv, D) * scale, softcap, slope, p, j, &th) - lse[stat]);
+            float dp = dO ? row_dot(dO, v + kv, D) : 0.0f;
+            float ds = e * (dp + shift[stat]) * (1.0f - th * th) * scale;
+#pragma unroll
+            for (int u = 0; u < PER_LANE; ++u) {
+                int d = threadIdx.x + 32 * u;
+                if (d < D) {
+                    gk[u] += ds * qi[d];
+                    if (dO) gv[u] += e * dO[d];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) {
+        int d = threadIdx.x + 32 * u;
+        if (d < D) {
+            dk[kv + d] = gk[u];
+            dv[kv + d] = gv[u];
+        }
+    }
+}

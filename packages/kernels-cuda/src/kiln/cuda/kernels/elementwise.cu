@@ -175,14 +175,84 @@ extern "C" __global__ void dropout_f32(const float* x, float* out, long long n, 
     }
 }
 
-// copy_cols: dst[r, dst_off + c] = src[r, src_off + c] for c < cols (rows of any strides): packs separate
-// q, k, v into the packed layout of the flash-attention kernels, and their gradients back. Grid-stride.
-extern "C" __global__ void copy_cols_f32(const float* src, float* dst, long long rows, int cols, int src_stride,
-                                         int src_off, int dst_stride, int dst_off) {
-    long long n = rows * cols;
+// --- the recompute variants of the norms and the remaining pointwise ops ---------------------------
+// (issue 17: every op of kiln-core's library on a kernel). Same geometry: grid-stride, ew_grid.
+
+// rmsnorm_apply_saved (kiln.core ops/library/_norms.py, ``normalize``): y = (x * rstd[row]) * weight[c] with the
+// rstd the forward saved, the two products in the forward kernels' order, so a replay gives its bits.
+// Each thread reads x[i] before it writes y[i]: y may be x's storage.
+extern "C" __global__ void rmsnorm_apply_saved_f32(const float* x, const float* rstd, const float* weight, float* y,
+                                                   long long n, int C) {
+    for (long long i = first_index(); i < n; i += grid_stride()) y[i] = (x[i] * rstd[i / C]) * weight[i % C];
+}
+
+// fused_residual_rmsnorm_apply_saved: residual_out = residual + x; y = (residual_out * rstd[row]) * weight[c]
+// (fused_residual_rmsnorm_f32's sum and products); residual_out may be either input's storage.
+extern "C" __global__ void fused_residual_rmsnorm_apply_saved_f32(const float* residual, const float* x,
+                                                                  const float* rstd, const float* weight,
+                                                                  float* residual_out, float* y, long long n,
+                                                                  int C) {
     for (long long i = first_index(); i < n; i += grid_stride()) {
-        long long r = i / cols;
-        int c = (int)(i % cols);
-        dst[r * dst_stride + dst_off + c] = src[r * src_stride + src_off + c];
+        float v = residual[i] + x[i];
+        residual_out[i] = v;
+        y[i] = (v * rstd[i / C]) * weight[i % C];
     }
+}
+
+// div (ops/library/_math.py): out = a / b, b broadcast over a's trailing dims as in add_f32 (other broadcasts are
+// expanded first by kiln.cuda._ops.div)
+extern "C" __global__ void div_f32(const float* a, const float* b, float* out, long long n, long long nb) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = a[i] / b[i % nb];
+}
+
+// exp: out = e^x
+extern "C" __global__ void exp_f32(const float* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = expf(x[i]);
+}
+
+// reciprocal: out = 1 / x
+extern "C" __global__ void reciprocal_f32(const float* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = 1.0f / x[i];
+}
+
+// sigmoid, as NumPy's _sigmoid_out writes it (never overflows): e = exp(-|x|), (x >= 0 ? 1 : e) / (1 + e)
+extern "C" __global__ void sigmoid_f32(const float* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        float v = x[i], e = expf(-fabsf(v));
+        out[i] = (v >= 0.0f ? 1.0f : e) / (1.0f + e);
+    }
+}
+
+// sigmoid_backward from the forward's output y: d_x = d * y * (1 - y)
+extern "C" __global__ void sigmoid_backward_f32(const float* d, const float* y, float* d_x, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) d_x[i] = d[i] * y[i] * (1.0f - y[i]);
+}
+
+// relu2 (squared ReLU): out = max(x, 0)^2
+extern "C" __global__ void relu2_f32(const float* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        float m = fmaxf(x[i], 0.0f);
+        out[i] = m * m;
+    }
+}
+
+// relu2_backward: d_x = 2 * d * max(x, 0)
+extern "C" __global__ void relu2_backward_f32(const float* d, const float* x, float* d_x, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) d_x[i] = 2.0f * d[i] * fmaxf(x[i], 0.0f);
+}
+
+// geglu: out = gelu(gate) * up, gelu as in gelu_f32 (tanh approximation when tanh_approx != 0, else erf); its
+// backward is a composition in kiln-core (gelu_backward, gelu and mul)
+extern "C" __global__ void geglu_f32(const float* gate, const float* up, float* out, long long n, int tanh_approx) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        float v = gate[i];
+        float t = tanh_approx ? tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))
+                              : erff(v * 0.7071067811865476f);
+        out[i] = 0.5f * v * (1.0f + t) * up[i];
+    }
+}
+
+// add3 (a parallel residual): out = (a + b) + c, NumPy's order
+extern "C" __global__ void add3_f32(const float* a, const float* b, const float* c, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = (a[i] + b[i]) + c[i];
 }

@@ -1,7 +1,8 @@
 // Cross-entropy over logits [N, V] (kiln.core ops/library/_loss.py cross_entropy, cross_entropy_backward):
 // one block of 256 threads per row, grid = N. A target equal to ignore_index has loss and gradient 0; a
-// target outside [0, V) gives a NaN loss (the reference raises; a kernel cannot).
-#include "common.cuh"
+// target outside [0, V) gives a NaN loss (the reference raises; a kernel cannot). The LM head's fused
+// training pass (below) runs both on one tile of logits.
+#include "bf16.cuh"  // and common.cuh
 
 // loss = lse - logits[target], lse = max + log(sum(exp(logits - max)))
 extern "C" __global__ void cross_entropy_f32(const float* logits, const int* targets, float* loss, float* lse,
@@ -35,4 +36,57 @@ extern "C" __global__ void cross_entropy_backward_f32(const float* d_loss, const
         long long i = row * V + c;
         d_logits[i] = expf(logits[i] - l) * (dl + dlse) - (c == t ? dl : 0.0f);
     }
+}
+
+// The LM head's loss and its logits' gradient in one pass over a tile of logits [rows, V] (kiln.core
+// ops/library/_loss.py fused_lm_head_loss_and_grad: a training step knows d_loss before its forward runs):
+// cross_entropy_f32 and cross_entropy_backward_f32 without d_lse, the same sums in the same order, so the
+// same bits. One block per row, grid = rows. z holds the logits on entry and their gradient
+// (softmax - onehot(target)) * d_loss on exit; d_loss may be null (a zero gradient).
+extern "C" __global__ void lm_head_loss_grad_f32(const float* d_loss, float* z, const int* targets, float* loss,
+                                                 float* lse, int V, int ignore_index) {
+    long long row = blockIdx.x;
+    float* zr = z + row * V;
+    int t = targets[row];
+    bool valid = t >= 0 && t < V;
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, zr[c]);
+    m = block_max(m);
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) s += expf(zr[c] - m);
+    float zt = threadIdx.x == 0 && valid ? zr[t] : 0.0f;  // read before block_sum's barriers: no write yet
+    s = block_sum(s);
+    float l = m + logf(s);
+    if (threadIdx.x == 0) {
+        lse[row] = l;
+        loss[row] = t == ignore_index ? 0.0f : (valid ? l - zt : NAN);
+    }
+    float dl = (d_loss && t != ignore_index) ? d_loss[row] : 0.0f;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) zr[c] = expf(zr[c] - l) * dl - (c == t ? dl : 0.0f);
+}
+
+// The same under the bf16 recipe (fused_lm_head_loss_bf16 then its backward in kiln.cuda._ops): the logits
+// z (float32 products of bf16 operands) read rounded to bf16, the loss and log-sum-exp in float32, and the
+// gradient rounded to bf16 into g (the gradient of a bf16 tensor): the rounding points of the two steps.
+extern "C" __global__ void lm_head_loss_grad_bf16(const float* d_loss, const float* z, const int* targets,
+                                                  float* loss, float* lse, bf16* g, int V, int ignore_index) {
+    long long row = blockIdx.x;
+    const float* zr = z + row * V;
+    bf16* gr = g + row * V;
+    int t = targets[row];
+    bool valid = t >= 0 && t < V;
+    float m = -INFINITY;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, round_bf16(zr[c]));
+    m = block_max(m);
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) s += expf(round_bf16(zr[c]) - m);
+    s = block_sum(s);
+    float l = m + logf(s);
+    if (threadIdx.x == 0) {
+        lse[row] = l;
+        loss[row] = t == ignore_index ? 0.0f : (valid ? l - round_bf16(zr[t]) : NAN);
+    }
+    float dl = (d_loss && t != ignore_index) ? d_loss[row] : 0.0f;
+    for (int c = threadIdx.x; c < V; c += blockDim.x)
+        gr[c] = f32_to_bf16(expf(round_bf16(zr[c]) - l) * dl - (c == t ? dl : 0.0f));
 }

@@ -206,16 +206,239 @@ extern "C" __global__ void mamba_sum_batch_f32(const float* part, float* out, in
     }
 }
 
-// d_B (or d_C) [B, G or 1, N, T] from the per-channel parts [B, D, T, N]: the sum over the group's channels
-// in order. One thread per output element.
-extern "C" __global__ void mamba_sum_group_f32(const float* part, float* out, int Bsz, int D, int T, int N, int G) {
+// d_B (or d_C) [B, G or 1, N, T] from the per-channel parts, [B, D, T, N] (the sequential backward's) or with
+// `nt` [B, D, N, T] (the chunked one's): the sum over the group's channels in order. A thread per output element.
+extern "C" __global__ void mamba_sum_group_f32(const float* part, float* out, int Bsz, int D, int T, int N, int G,
+                                               int nt) {
     int groups = G ? G : 1, per = D / groups;
+    long long st = nt ? 1 : N, sn = nt ? T : 1;
     long long n_out = (long long)Bsz * groups * N * T;
     for (long long i = first_index(); i < n_out; i += grid_stride()) {
         int t = (int)(i % T), n = (int)(i / T % N), g = (int)(i / ((long long)T * N) % groups);
         int b = (int)(i / ((long long)T * N * groups));
         float s = 0.0f;
-        for (int d = g * per; d < (g + 1) * per; ++d) s += part[(((long long)b * D + d) * T + t) * N + n];
+        for (int d = g * per; d < (g + 1) * per; ++d) s += part[((long long)b * D + d) * T * N + t * st + n * sn];
         out[i] = s;
+    }
+}
+
+// --- the chunked scan, for long sequences ---------------------------------------------------------------------
+// The plan of Mamba's selective_scan CUDA kernel: a block per channel (b, d), its threads along time, each
+// thread holding SCAN_ITEMS consecutive steps, so a chunk is blockDim.x * SCAN_ITEMS steps and a channel's
+// chunks run in order inside its block. One step is the affine map h -> a h + b (a = exp(dt A_n),
+// b = (dt B_n) u). Per state n (a loop, so N is not bound by a warp), each thread composes its steps' maps, a
+// block scan of those gives each thread the map of every step before it in the chunk, applied to the state
+// the previous chunk left (in shared memory), and the thread replays its steps from there in the reference's
+// order. Only the start of each thread's steps goes through the scan's reassociated products. Steps past T
+// are the identity map.
+constexpr int SCAN_ITEMS = 8;
+constexpr int SCAN_MAX_N = 256;
+
+struct Map {  // h -> a h + b
+    float a, b;
+};
+
+__device__ __forceinline__ Map then(Map first, Map second) {  // first, then second
+    return {second.a * first.a, second.a * first.b + second.b};
+}
+
+// The composition of the maps of the threads before this one (identity for the first): in time order, or
+// with `reverse` from the last thread down (the backward's scan runs from late to early). A Hillis-Steele
+// scan over the lanes of each warp, then over the warps' totals in order: a fixed order, the same bits on
+// every run. blockDim.x a multiple of 32; every thread of the block must call it.
+__device__ Map scan_maps(Map m, bool reverse) {
+    __shared__ float wa[32], wb[32];
+    int lane = threadIdx.x % 32, warps = blockDim.x / 32, step = reverse ? -1 : 1;
+    int vl = reverse ? 31 - lane : lane, vw = reverse ? warps - 1 - (int)threadIdx.x / 32 : threadIdx.x / 32;
+    for (int off = 1; off < 32; off <<= 1) {
+        int src = vl >= off ? lane - step * off : lane;
+        Map p = {__shfl_sync(FULL_MASK, m.a, src), __shfl_sync(FULL_MASK, m.b, src)};
+        if (vl >= off) m = then(p, m);
+    }
+    int src = vl ? lane - step : lane;
+    Map x = {__shfl_sync(FULL_MASK, m.a, src), __shfl_sync(FULL_MASK, m.b, src)};
+    if (!vl) x = {1.0f, 0.0f};
+    __syncthreads();  // a previous call may still be reading wa, wb
+    if (vl == 31) {
+        wa[vw] = m.a;
+        wb[vw] = m.b;
+    }
+    __syncthreads();
+    Map q = {1.0f, 0.0f};
+    for (int k = 0; k < vw; ++k) q = then(q, Map{wa[k], wb[k]});
+    return then(q, x);
+}
+
+__device__ __forceinline__ float silu_gate(float zv) {
+    return zv * (0.5f * (1.0f + tanhf(0.5f * zv)));
+}
+
+// The forward (mamba_scan_f32's math): out and last may be null; chunk_states (when not null) receives the
+// state at the start of every chunk, [B, D, chunks, N] (the backward's checkpoints). Grid: a block per channel.
+extern "C" __global__ void mamba_scan_chunked_f32(const float* u, const float* delta, const float* A,
+                                                  const float* Bm, const float* Cm, const float* Dv, const float* z,
+                                                  const float* delta_bias, const float* state, float* out,
+                                                  float* last, float* chunk_states, int Bsz, int D, int T, int N,
+                                                  int G, int softplus) {
+    __shared__ float carry[SCAN_MAX_N];
+    long long w = blockIdx.x;
+    int b = (int)(w / D), d = (int)(w % D), chunk = blockDim.x * SCAN_ITEMS, chunks = (T + chunk - 1) / chunk;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) carry[n] = state ? state[w * N + n] : 0.0f;
+    __syncthreads();
+    for (int c = 0; c < chunks; ++c) {
+        int t0 = c * chunk + threadIdx.x * SCAN_ITEMS;
+        float uv[SCAN_ITEMS], dt[SCAN_ITEMS], y[SCAN_ITEMS], pre;
+#pragma unroll
+        for (int i = 0; i < SCAN_ITEMS; ++i) {
+            bool on = t0 + i < T;
+            uv[i] = on ? u[w * T + t0 + i] : 0.0f;
+            dt[i] = on ? step_dt(delta, delta_bias, w * T + t0 + i, d, softplus, &pre) : 0.0f;
+            y[i] = 0.0f;
+        }
+        for (int n = 0; n < N; ++n) {
+            float a = A[d * N + n];
+            Map m[SCAN_ITEMS], agg = {1.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < SCAN_ITEMS; ++i) {
+                m[i] = t0 + i < T ? Map{expf(dt[i] * a), (dt[i] * Bm[bc_index(b, d, n, t0 + i, D, N, T, G)]) * uv[i]}
+                                  : Map{1.0f, 0.0f};
+                agg = then(agg, m[i]);
+            }
+            Map before = scan_maps(agg, false);
+            float h0 = carry[n];
+            if (chunk_states && threadIdx.x == 0) chunk_states[(w * chunks + c) * N + n] = h0;
+            float h = before.a * h0 + before.b;
+#pragma unroll
+            for (int i = 0; i < SCAN_ITEMS; ++i) {
+                h = m[i].a * h + m[i].b;
+                if (out && t0 + i < T) y[i] += h * Cm[bc_index(b, d, n, t0 + i, D, N, T, G)];
+            }
+            __syncthreads();  // every thread has read carry[n]
+            if (threadIdx.x == blockDim.x - 1) carry[n] = h;  // the chunk's last state
+        }
+        if (out) {
+#pragma unroll
+            for (int i = 0; i < SCAN_ITEMS; ++i) {
+                if (t0 + i >= T) continue;
+                long long k = w * T + t0 + i;
+                float yv = Dv ? y[i] + uv[i] * Dv[d] : y[i];
+                out[k] = z ? yv * silu_gate(z[k]) : yv;
+            }
+        }
+    }
+    __syncthreads();
+    if (last)
+        for (int n = threadIdx.x; n < N; n += blockDim.x) last[w * N + n] = carry[n];
+}
+
+// The backward (mamba_scan_backward_f32's math), chunk by chunk from the last: per chunk and state n, the
+// states replayed from the chunk's checkpoint (chunk_states, by mamba_scan_chunked_f32 with the same block
+// size), then the reverse scan d_h_t = g_t C_t + exp(dt_{t+1} A) d_h_{t+1} as maps acc -> decay (acc + g C)
+// scanned from the last thread down, the carry d_h flowing to the chunk before in shared memory. Per step:
+// d_u, d_delta, d_z; per (b, d, n, t) into scratch, [B, D, N, T]: the parts of d_B and d_C before their sum
+// over a group's channels; per (b, d): d_A's part summed per thread in reverse time, over the block, then over
+// the chunks from the last; d_D's and d_delta_bias's per thread, then over the block. A block per channel.
+extern "C" __global__ void mamba_scan_chunked_backward_f32(const float* d_out, const float* u, const float* delta,
+                                                           const float* A, const float* Bm, const float* Cm,
+                                                           const float* Dv, const float* z, const float* delta_bias,
+                                                           const float* chunk_states, const float* d_last,
+                                                           float* d_u, float* d_delta, float* d_z, float* pB,
+                                                           float* pC, float* pA, float* pD, float* pDB,
+                                                           float* d_state, int Bsz, int D, int T, int N, int G,
+                                                           int softplus) {
+    __shared__ float dcarry[SCAN_MAX_N], dA_sum[SCAN_MAX_N];
+    long long w = blockIdx.x;
+    int b = (int)(w / D), d = (int)(w % D), chunk = blockDim.x * SCAN_ITEMS, chunks = (T + chunk - 1) / chunk;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        dcarry[n] = d_last ? d_last[w * N + n] : 0.0f;
+        dA_sum[n] = 0.0f;
+    }
+    __syncthreads();
+    float dD = 0.0f, dDB = 0.0f, pre;
+    for (int c = chunks - 1; c >= 0; --c) {
+        int t0 = c * chunk + threadIdx.x * SCAN_ITEMS;
+        float uv[SCAN_ITEMS], dt[SCAN_ITEMS], g[SCAN_ITEMS], y[SCAN_ITEMS], du[SCAN_ITEMS], ddt[SCAN_ITEMS];
+#pragma unroll
+        for (int i = 0; i < SCAN_ITEMS; ++i) {
+            bool on = t0 + i < T;
+            long long k = w * T + t0 + i;
+            uv[i] = on ? u[k] : 0.0f;
+            dt[i] = on ? step_dt(delta, delta_bias, k, d, softplus, &pre) : 0.0f;
+            float dy = on && d_out ? d_out[k] : 0.0f;
+            g[i] = on && z ? dy * silu_gate(z[k]) : dy;
+            du[i] = Dv ? g[i] * Dv[d] : 0.0f;
+            y[i] = ddt[i] = 0.0f;
+        }
+        for (int n = 0; n < N; ++n) {
+            float a = A[d * N + n], decay[SCAN_ITEMS], bv[SCAN_ITEMS], cv[SCAN_ITEMS], h[SCAN_ITEMS];
+            Map agg = {1.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < SCAN_ITEMS; ++i) {
+                bool on = t0 + i < T;
+                bv[i] = on ? Bm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
+                cv[i] = on ? Cm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
+                decay[i] = on ? expf(dt[i] * a) : 1.0f;
+                agg = then(agg, Map{decay[i], (dt[i] * bv[i]) * uv[i]});
+            }
+            Map before = scan_maps(agg, false);
+            float h0 = chunk_states[(w * chunks + c) * N + n];
+            float first = before.a * h0 + before.b, hh = first;
+#pragma unroll
+            for (int i = 0; i < SCAN_ITEMS; ++i) {
+                hh = decay[i] * hh + (dt[i] * bv[i]) * uv[i];
+                h[i] = hh;
+            }
+            Map ragg = {1.0f, 0.0f};
+#pragma unroll
+            for (int i = SCAN_ITEMS - 1; i >= 0; --i) ragg = then(ragg, Map{decay[i], decay[i] * (g[i] * cv[i])});
+            Map later = scan_maps(ragg, true);
+            float acc = later.a * dcarry[n] + later.b, dAt = 0.0f;
+#pragma unroll
+            for (int i = SCAN_ITEMS - 1; i >= 0; --i) {
+                if (t0 + i >= T) continue;
+                acc += g[i] * cv[i];  // d_h at this step
+                float hp = i ? h[i - 1] : first, d_decay = acc * hp * decay[i];
+                du[i] += acc * dt[i] * bv[i];
+                ddt[i] += acc * bv[i] * uv[i] + d_decay * a;
+                dAt += d_decay * dt[i];
+                y[i] += h[i] * cv[i];
+                long long k = (w * N + n) * T + t0 + i;
+                pB[k] = acc * dt[i] * uv[i];
+                pC[k] = g[i] * h[i];
+                acc *= decay[i];
+            }
+            float dA = block_sum(dAt);  // its barriers: every thread has read dcarry[n]
+            if (threadIdx.x == 0) {
+                dcarry[n] = acc;  // what flows into the chunk before
+                dA_sum[n] += dA;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < SCAN_ITEMS; ++i) {
+            if (t0 + i >= T) continue;
+            long long k = w * T + t0 + i;
+            float dpre = ddt[i];
+            step_dt(delta, delta_bias, k, d, softplus, &pre);
+            if (softplus) dpre *= 0.5f * (1.0f + tanhf(0.5f * pre));
+            float dzv = 0.0f;
+            if (z) {
+                float s = 0.5f * (1.0f + tanhf(0.5f * z[k])), yv = Dv ? y[i] + uv[i] * Dv[d] : y[i];
+                dzv = (d_out ? d_out[k] : 0.0f) * yv * (s * (1.0f + z[k] * (1.0f - s)));
+            }
+            d_u[k] = du[i];
+            d_delta[k] = dpre;
+            d_z[k] = dzv;
+            dD += g[i] * uv[i];
+            dDB += dpre;
+        }
+    }
+    float sD = block_sum(dD), sDB = block_sum(dDB);  // their barriers: thread 0's last writes are done
+    if (threadIdx.x == 0) {
+        pD[w] = sD;
+        pDB[w] = sDB;
+    }
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        pA[w * N + n] = dA_sum[n];
+        if (d_state) d_state[w * N + n] = dcarry[n];
     }
 }

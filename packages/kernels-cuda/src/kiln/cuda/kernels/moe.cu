@@ -229,3 +229,24 @@ extern "C" __global__ void moe_aux_loss_backward_f32(const float* d_loss, const 
     float f = total * (float)E / ((float)layers * (float)layers);
     for (int e = threadIdx.x; e < E; e += blockDim.x) d_mean[e] = f * load[e];
 }
+
+// moe_router (kiln.core ops/library/_router.py) is a composition: the matmul x @ gate^T, the softmax (or
+// moe_sigmoid) kernel, moe_topk_f32 and moe_load_stats_f32 over all N rows (load[e] = count_e / N,
+// mean_probs[e] = mean_n probs[n, e]); then its load-balancing loss, transformers' E sum_e (count_e / N)
+// mean_n probs[n, e] times the coefficient: aux = coef E sum_e load[e] mean_probs[e]. One block, the
+// experts summed in a fixed order.
+extern "C" __global__ void moe_router_aux_f32(const float* load, const float* mean_probs, float* aux, int E,
+                                              float coef) {
+    float s = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s += load[e] * mean_probs[e];
+    s = block_sum(s);
+    if (threadIdx.x == 0) *aux = coef * (float)E * s;
+}
+
+// moe_router_backward, the loss's share: d aux / d probs[n, e] = coef E count_e / N^2, so
+// d_probs[n, e] += d_aux coef E load[e] / N (load[e] = count_e / N). Elementwise over N x E.
+extern "C" __global__ void moe_router_aux_backward_f32(const float* d_aux, const float* load, float* d_probs,
+                                                       long long N, int E, float coef) {
+    float f = *d_aux * coef * (float)E / (float)N;
+    for (long long i = first_index(); i < N * E; i += grid_stride()) d_probs[i] += f * load[i % E];
+}
