@@ -157,6 +157,26 @@ def test_a_rank_keeps_state_and_updates_only_for_the_parameters_it_owns(session:
                                       plain.state_dict()["optimizer"]["exp_avg"][k])
 
 
+def test_a_sync_plans_buffers_are_arena_slots_live_through_the_program(session: PluginSession) -> None:
+    """A collective in flight from the backward to grad_sync keeps its bucket in a planned buffer: a
+    slot of kind ``buffer`` that no other tensor shares, live from the first step to the last."""
+    plain = Model.from_ir(BUNDLE, seed=0, optimizer=sgd())
+    trained = [k for k, t in plain.trainable.items() if t]
+    dp = Fixed(SyncPlan(in_backward=[Op("test_double", [trained[-1], "test.bucket"], [])],
+                        grad_sync=[Op("test_double", [trained[-1], "test.bucket"], [])],
+                        buffers=[("test.bucket", 10)]))
+    program = Model.from_ir(BUNDLE, seed=0, optimizer=sgd(), data_parallel=dp).program(2, 6)
+    (slot,) = [sl for sl in program.slots if sl.kind == "buffer"]
+    assert (slot.name, slot.tensors, slot.first, slot.last) == ("test.bucket", ("test.bucket",), 0,
+                                                                 len(program.steps) - 1)
+    assert slot.nbytes >= 40 and program.tensors["test.bucket"].shape == (10,)
+    assert all(sl.offset + sl.nbytes <= slot.offset or slot.offset + slot.nbytes <= sl.offset
+               for sl in program.slots if sl is not slot)  # its own bytes, whatever runs meanwhile
+    assert slot.offset + slot.nbytes <= program.arena_bytes
+    users = [s for s in program.steps if "test.bucket" in s.inputs]
+    assert [s.phase for s in users] == ["backward", "grad_sync"]
+
+
 def test_the_global_batch_must_split_evenly_over_the_ranks(session: PluginSession) -> None:
     model = Model.from_ir(BUNDLE, seed=0, data_parallel=Fixed(SyncPlan(), TwoRanks()))
     batch = random_batch(32, 3, 6)

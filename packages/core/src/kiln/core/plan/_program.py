@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -105,7 +105,8 @@ class Slot:
     """A range of the arena and the tensors that use it in turn (or share it, as views)."""
 
     name: str
-    kind: str  # weight | gradient | optimizer_state | input | output | saved | transient | host | workspace
+    #: weight | gradient | optimizer_state | input | output | buffer | saved | transient | host | workspace
+    kind: str
     nbytes: int
     offset: int
     first: int
@@ -154,6 +155,10 @@ class ParamInfo:
     state: tuple[str, ...] = ()
 
 
+def _sized(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(k), int(n)) for k, n in items)
+
+
 @attrs.frozen
 class SyncPlan:
     """What data parallelism adds to one rank's training Program (kiln-dist's ``DataParallel`` makes
@@ -167,7 +172,11 @@ class SyncPlan:
     - ``norm``: the tensors the global gradient norm is taken over (None: every gradient; ZeRO-1: a
       tensor of ``outputs`` that a ``grad_sync`` op fills with the norm over every rank's share);
     - ``after_update``: run after the updates, on the parameters themselves (ZeRO-1's all-gather);
-    - ``outputs``: 1-element tensors of the Program's float type that the ops write, read by the host.
+    - ``outputs``: 1-element tensors of the Program's float type that the ops write, read by the host;
+    - ``buffers``: (name, elements) flat tensors of the gradients' type the ops pack buckets into (a
+      collective started in the backward and waited for in ``grad_sync`` keeps its bucket there), each
+      a slot of kind ``buffer`` live through the whole Program: planned in the arena, not allocated
+      by a kernel.
     """
 
     grad_sync: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
@@ -176,6 +185,7 @@ class SyncPlan:
     norm: tuple[str, ...] | None = None
     after_update: tuple[Op, ...] = attrs.field(default=(), converter=_ops)
     outputs: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    buffers: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=_sized)
 
 
 @attrs.frozen
@@ -534,7 +544,7 @@ def measure(module_ir: Bundle | Module, bindings: Mapping[str, int], mode: str =
     return _measure(s)
 
 
-FIXED_KINDS = ("weight", "gradient", "optimizer_state", "input", "output")
+FIXED_KINDS = ("weight", "gradient", "optimizer_state", "input", "output", "buffer")
 
 
 def _measure(s: _Scheduler) -> Callable[[RecomputePlan], int]:
@@ -732,6 +742,8 @@ class _Scheduler:
             return
         for name in self.sync.outputs:
             self.types[name], self.kinds[name] = ((1,), "fp32"), "output"
+        for name, n in self.sync.buffers:
+            self.types[name], self.kinds[name] = ((n,), "fp32"), "buffer"
         self.sync_in_backward()
         for op in self.sync.grad_sync:
             self.add_update(attrs.evolve(op, inputs=[self.grads.get(i, i) for i in op.inputs]), op.attrs,
@@ -1346,16 +1358,30 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
     Program input ``d_loss`` (set before the forward runs): one pass can compute the loss and the
     gradients without the backward's recompute of the logits. Only when the gradient slots overlap
     none of the forward step's tensors; a run of the forward alone keeps the plain step.
+
+    The pass computes as the recipe computes the head: the Program's float type, or under a
+    low-precision recipe (one an ``@precision``/``@dtype`` brings in too) the low type, with the
+    backend's fused kernel for that type itself (an any-type kernel computes in the float type), where
+    the two steps run their low-type kernels. A head an ``@precision``/``@dtype`` moves off the recipe
+    (``computes``: it then reads its float inputs as that annotation says) keeps its two steps, on
+    every backend.
     """
     backend = s.target.backend
     if FUSED_HEAD not in getattr(backend, "capabilities", ()):
         return ()
-    kernel = s.target.kernels.lookup(FUSED_HEAD, backend, s.target.dtype)
+    recipe = s.target.precision
+    dtype = str(recipe.low) if recipe.lowers else s.target.dtype
+    kernel = s.target.kernels.lookup(FUSED_HEAD, backend, dtype)
     steps = {ph: [st for st in s.steps if st.phase == ph and st.how != "alias"]
              for ph in ("forward", "backward")}
     if kernel is None or not steps["forward"] or not steps["backward"]:
         return ()
     fwd, bwd = steps["forward"][-1], steps["backward"][0]
+    if any(k in s.computes for st in (fwd, bwd) for k in st.outputs[:1]):
+        return ()
+    if recipe.lowers and (kernel.dtype != dtype or not all(
+            st.kernel and s.target.kernels[st.kernel].dtype == dtype for st in (fwd, bwd))):
+        return ()
     keys = ("ignore_index", "chunk_size", "softcap")
     if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
             or {k: fwd.attrs.get(k) for k in keys} != {k: bwd.attrs.get(k) for k in keys} \
@@ -1486,7 +1512,7 @@ def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None
         slots.append(Slot(name, kind, size, offset, 0, n - 1, tuple(members[k])))
     offset = persistent
     for k, kind in [*((k, kd) for k, kd in s.kinds.items() if kd == "input"),
-                    *((k, kd) for k, kd in s.kinds.items() if kd == "output")]:
+                    *((k, kd) for k, kd in s.kinds.items() if kd in ("output", "buffer"))]:
         size = _align(nbytes[k])
         slots.append(Slot(k, kind, size, offset, 0, n - 1, tuple(members[k])))
         offset += size

@@ -567,7 +567,10 @@ class Model:
         return ex, count
 
     def _loss(self, ex: Any, count: int) -> float:
-        return float(np.sum(ex.read("loss"))) / count if count else 0.0
+        loss = ex.read("loss")
+        if loss.dtype.itemsize < 4:  # a loss an annotation writes as bf16: summed in float32, not bf16
+            loss = loss.astype(np.float32)
+        return float(np.sum(loss)) / count if count else 0.0
 
     # -- running
 

@@ -5,7 +5,9 @@ reads bfloat16 tensors as float32 (exact), rounds the float inputs of a ``lower`
 attention) to bfloat16 first, and rounds each output the Program lists in ``rounded`` to bfloat16
 when it writes it: the rounding points of :mod:`kiln.core.plan._precision`, where torch's autocast
 has them. A step an ``@precision``/``@dtype`` annotation overrides (``Program.computes``) rounds its
-inputs when it computes in bf16 and reads them as fp32 when it computes in fp32. The rounding is
+inputs when it computes in bf16 (but an fp32-class op with a bf16 kernel of its own, the LM head's loss
+and its backward: that kernel rounds its operands, its lse and cotangent are read as they are, as on
+cuda) and reads them as fp32 when it computes in fp32. The rounding is
 ml_dtypes' float32 -> bfloat16 cast (round to nearest, ties to even).
 
 The LM head's fused loss needs two points inside the op (its logits are bfloat16, and so is their
@@ -25,7 +27,7 @@ import numpy as np
 from kiln.core._errors import KilnError
 from kiln.core.ops._ops import OpDef
 from kiln.core.ops.library._loss import _cross_entropy, _cross_entropy_backward
-from kiln.core.plan._precision import LOWER, Precision, require_ml_dtypes
+from kiln.core.plan._precision import FP32, LOWER, Precision, require_ml_dtypes
 from kiln.core.plan._program import Program, Step
 
 Arrays = Sequence[np.ndarray | None]
@@ -53,6 +55,8 @@ def emulated(program: Program, step: Step, opdef: OpDef, kernel: Callable[..., A
     f32 = np.dtype(program.dtype)
     computes = getattr(program, "computes", {}).get(next((k for k in step.outputs if k), ""))
     lower = computes == "bf16" if computes else recipe.default_class(opdef) == LOWER
+    if lower and recipe.op_class(opdef) == FP32 and step.kernel.endswith(f":{recipe.low}"):
+        lower = False  # its own bf16 kernel rounds where the op does (the LM head), as on cuda
     rounded = [bool(k) and k in program.rounded for k in step.outputs]
 
     def read(a: np.ndarray | None) -> np.ndarray | None:

@@ -27,7 +27,8 @@ Conventions are HuggingFace Llama/Qwen3 in the input float dtype:
   ``-slope_h * |p - j|`` to its scores (flash-attn's ALiBi), with the slopes of ALiBi's paper
   (``2 ** (-8 i / n)``, :func:`alibi_slopes`). Capping comes first, then the bias, then the masks.
 * ``segment_ids: [B, Tk]`` (optional, int) restricts attention to keys of the query's own segment:
-  query ``i`` sees key ``j`` only when ``segment_ids[b, p] == segment_ids[b, j]``. Packed documents
+  query ``i`` sees key ``j`` only when ``segment_ids[b, p] == segment_ids[b, j]`` (so they need
+  ``Tq <= Tk``: more queries than keys is an ``OpError``). Packed documents
   are segments 1, 2, ...; padding is its own segment (0), so real tokens never see it (HF's
   ``attention_mask``) and a padding query still sees itself (its row stays finite).
 """
@@ -439,10 +440,17 @@ def _tile(keep: np.ndarray, t0: int, t1: int, k0: int, k1: int) -> np.ndarray:
     return tile if tile.ndim == 2 else tile[:, None, None]
 
 
-def _check_segments(segments: np.ndarray | None, b: int, tk: int, op: str) -> None:
+def _check_segments(segments: np.ndarray | None, b: int, tq: int, tk: int, op: str) -> None:
     if segments is not None and segments.shape != (b, tk):
         raise OpError(f"op {op!r}: segment_ids must be [B, Tk] = [{b}, {tk}], found {list(segments.shape)}",
                       op=op)
+    if segments is not None and tq > tk:
+        raise OpError(f"op {op!r}: " + _MORE_QUERIES.format(tq=tq, tk=tk), op=op)
+
+
+#: segment ids with more queries than keys: the first queries align to no key position
+_MORE_QUERIES = ("segment_ids need Tq <= Tk (query i's segment is that of its key position "
+                 "i + Tk - Tq), found q with Tq = {tq} and k with Tk = {tk}")
 
 
 def _group(hq: int, hkv: int, op: str) -> int:
@@ -567,7 +575,7 @@ def _attn_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, 
     """Attention of ``q: [B, Tq, Hq, D]`` over ``k, v: [B, Tk, Hkv, D]`` (any strides) into ``out``
     (``q``'s shape) and ``lse: [B, Hq, Tq]``, with an online softmax over key blocks."""
     rep = _group(q.shape[2], k.shape[2], op)
-    _check_segments(segments, k.shape[0], k.shape[1], op)
+    _check_segments(segments, k.shape[0], q.shape[1], k.shape[1], op)
 
     def piece(p: tuple[slice, slice]) -> None:
         bs, hs = p
@@ -627,7 +635,7 @@ def _attn_backward(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np
     ``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O) + d_lse)`` (times ``1 - tanh**2`` through a
     softcap), block by block."""
     rep = _group(q.shape[2], k.shape[2], op)
-    _check_segments(segments, k.shape[0], k.shape[1], op)
+    _check_segments(segments, k.shape[0], q.shape[1], k.shape[1], op)
 
     def piece(p: tuple[slice, slice]) -> None:
         bs, hs = p
@@ -845,6 +853,9 @@ def _attention_infer(ctx: InferContext) -> list[TensorType]:
     check_same(ctx, (q[0], q[3]), (k[0], k[3]), "q and k differ in batch or head dim")
     _check_heads(ctx, q[2], k[2])
     _check_segment_input(ctx, 3, k[0], k[1])
+    more = simplify(parse_dim(q[1]) - parse_dim(k[1]))  # a constant once the lengths are bound
+    if len(ctx.inputs) > 3 and ctx.inputs[3] and isinstance(more, Const) and more.value > 0:
+        raise ctx.fail(_MORE_QUERIES.format(tq=q[1], tk=k[1]))
     _check_softcap(ctx)
     return [TensorType(q, ctx.dtype(0)), TensorType((q[0], q[2], q[1]), "fp32")]
 

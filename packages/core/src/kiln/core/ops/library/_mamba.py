@@ -385,6 +385,13 @@ def _scan_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> C
     return Cost(flops=8.0 * bdt * n, bytes=_nbytes(*shapes, shapes[0]))
 
 
+def _scan_backward_cost(shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Cost:
+    """Inputs read and gradients written, plus d_B's and d_C's parts per channel ([B, D, N, T] each, before
+    their sum over a group's channels: B and C serve every channel of a group) written and read back once."""
+    bdtn = float(np.prod(shapes[1])) * shapes[3][1]
+    return Cost(flops=20.0 * bdtn, bytes=_nbytes(*shapes, *shapes[1:]) + 2 * 2 * 4.0 * bdtn)
+
+
 _ACTIVATION = (AttrSpec("activation", "str", "silu", ("silu", "none")),)
 _SOFTPLUS = (AttrSpec("delta_softplus", "bool", False),)
 _FINAL_STATES = (AttrSpec("return_final_states", "bool", False),)
@@ -421,7 +428,7 @@ CORE_OPS = [
         "mamba_selective_scan_backward", ("d_out?", *_SCAN_INPUTS, "d_last_state?"),
         ("d_u", "d_delta", "d_A", "d_B", "d_C", "d_D", "d_z", "d_delta_bias", "*d_ssm_state"),
         _scan_backward_kernel, _scan_backward_infer, attrs=_SOFTPLUS, autocast="fp32",
-        cost=lambda s, a: Cost(flops=20.0 * float(np.prod(s[1])) * s[3][1], bytes=_nbytes(*s, *s[1:])),
+        cost=_scan_backward_cost,
         doc="Gradients of mamba_selective_scan: replays the scan from its inputs, then runs it in reverse "
             "(d_D, d_z, d_delta_bias are computed whether or not D, z, delta_bias were given; d_ssm_state "
             "only when ssm_state is).",
