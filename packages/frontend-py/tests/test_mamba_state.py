@@ -1,9 +1,9 @@
 """``MambaStateBlock``: the Python Mamba block with the inference state of seed 004's §11.3 block (optional
 ``ssm_state`` / ``conv_state`` inputs, ``ssm_state_out`` / ``conv_state_out`` outputs).
 
-Oracles: the text syntax's lowering of the same block (kiln-dsl-text, the shipped Mamba-1 block with
-§11.3's state lines) for the IR, and the block's own full-sequence forward on NumPy (float64,
-``run_graph``) for a token-by-token decode and a chunked one."""
+Oracles: the text syntax's lowering of the same block (kiln-dsl-text's shipped ``MambaStateBlock``,
+which is its shipped ``MambaBlock`` with §11.3's state lines) for the IR, and the block's own
+full-sequence forward on NumPy (float64, ``run_graph``) for a token-by-token decode and a chunked one."""
 
 # ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
 
@@ -22,8 +22,8 @@ CONFIG = {"d_model": 8, "d_inner": 16, "d_state": 4, "d_conv": 3, "dt_rank": 2}
 
 
 def _stateful_text(text: str) -> str:
-    """The shipped text MambaBlock with §11.3's inference state: the optional state inputs, the state
-    outputs, and the conv and scan reading and returning them."""
+    """The shipped text MambaBlock (the first block of ``text``) with §11.3's inference state: the
+    optional state inputs, the state outputs, and the conv and scan reading and returning them."""
     pad = " " * 6
     conv = "mamba_conv1d(activation=silu)"
     scan = "mamba_selective_scan(delta_softplus=true"
@@ -39,7 +39,7 @@ def _stateful_text(text: str) -> str:
          " -> (scan_out, ssm_state_out)"),
     ]:
         assert old in text, old
-        text = text.replace(old, new)
+        text = text.replace(old, new, 1)
     return text
 
 
@@ -57,16 +57,21 @@ def _ir(m) -> dict:
     return data
 
 
-def test_python_and_text_mamba_blocks_with_state_lower_to_one_ir() -> None:
+@pytest.mark.parametrize("extra", [{}, {"use_conv_bias": False}, {"use_bias": True}], ids=str)
+def test_python_and_text_mamba_blocks_with_state_lower_to_one_ir(extra: dict) -> None:
     text_dsl = pytest.importorskip("kiln.dsl_text", reason="the text syntax is kiln-dsl-text")
-    config = CONFIG
-    stateful = _stateful_text(Path(text_dsl.model_path("mamba")).read_text())
-    text = text_dsl.load_program("mamba.kiln", stateful).bundle("MambaBlock", config).module("MambaBlock")
+    config = {**CONFIG, **extra}
+    shipped = Path(text_dsl.model_path("mamba")).read_text()
+    text = text_dsl.load_program("mamba.kiln", shipped).bundle("MambaStateBlock", config)
+    text = text.module("MambaStateBlock")
     python = build_bundle(MambaStateBlock, config).module("MambaStateBlock")
     verify(build_bundle(MambaStateBlock, config))
     assert [d.name for d in python.forward.inputs] == ["x", "residual", "ssm_state", "conv_state"]
     assert [d.name for d in python.forward.outputs] == ["out", "res", "ssm_state_out", "conv_state_out"]
     assert _ir(python) == _ir(text)
+    if not extra:  # the shipped MambaStateBlock is the shipped MambaBlock with §11.3's state lines
+        built = text_dsl.load_program("mamba.kiln", _stateful_text(shipped)).bundle("MambaBlock", config)
+        assert _ir(built.module("MambaBlock")) == _ir(text)
     # the same parameters as the stackable MambaBlock (what MambaModel trains and HF checkpoints hold)
     plain = build_bundle("MambaBlock", config).module("MambaBlock")
     assert [(p.name, p.shape) for p in python.params] == [(p.name, p.shape) for p in plain.params]

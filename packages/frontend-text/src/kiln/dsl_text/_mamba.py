@@ -37,12 +37,15 @@ def conv1d(g: Any, tensors: list[Any], consts: list[Any], kw: dict[str, Any], n_
     -> (y, conv_state_out?)``: x is ``[B, D, T]`` (§6.10) or ``[B, T, D]`` (§11.3, y in the same
     layout); the kernel size is the weight's ``[D, 1, K]``. ``conv_state`` is ``[B, D, K - 1]``, the
     inputs before x (§6.10), or ``[B, D, K]``, the last K (§11.3); ``conv_state_out`` has its width
-    (K - 1 without one): the state to pass with the next chunk."""
+    (K - 1 without one): the state to pass with the next chunk. Without a bias, ``(x, weight,
+    conv_state)``: a third input of rank 3 is the state (a bias is ``[D]``)."""
     if not 2 <= len(tensors) <= 4:
         raise KilnError(
             f"mamba_conv1d takes (x, weight, bias?, conv_state?), found {len(tensors)} inputs", code="E003"
         )
     x, w, bias, state = [*tensors, None, None][:4]
+    if len(tensors) == 3 and len(g.resolve(bias).shape) == 3:
+        bias, state = None, bias
     kw.pop("kernel_size", None)  # the weight's last dimension: kiln reads it from there
     kw.pop("return_final_states", None)  # a second result asks for it
     consts = consts[1:] if consts and isinstance(consts[0], int) else consts
