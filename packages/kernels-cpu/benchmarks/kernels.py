@@ -59,6 +59,9 @@ def cases() -> dict[str, Callable[[np.random.Generator], tuple[list[Any], dict[s
         d_loss = np.full(n, 1 / n, np.float32)
         return [d_loss, x, w, t, lse, None], {"out": [np.empty_like(x), np.empty_like(w)], **head}
 
+    def cross_entropy(rng: np.random.Generator) -> tuple[list[Any], dict[str, Any]]:
+        return [rand(rng, n, V) * 4, rng.integers(0, V, n)], {"ignore_index": -100}
+
     def rope(rng: np.random.Generator) -> tuple[list[Any], dict[str, Any]]:
         x = rand(rng, B, T, HQ * D)
         return [x, None, np.arange(T)], {"out": [np.empty_like(x)], "head_dim": D, "rotary_dim": None,
@@ -88,8 +91,8 @@ def cases() -> dict[str, Callable[[np.random.Generator], tuple[list[Any], dict[s
 
     return {"gelu": gelu, "gelu_backward": gelu_backward, "gelu (tanh)": gelu_tanh,
             "attention": attention, "attention_backward": attention_backward, "fused_lm_head_loss": lm_head,
-            "fused_lm_head_loss_backward": lm_head_backward, "rope": rope, "qk_norm": qk_norm,
-            "layernorm": layernorm, "layernorm_backward": layernorm_backward}
+            "fused_lm_head_loss_backward": lm_head_backward, "cross_entropy": cross_entropy, "rope": rope,
+            "qk_norm": qk_norm, "layernorm": layernorm, "layernorm_backward": layernorm_backward}
 
 
 def measure(ops: list[str], repeat: int) -> dict[str, dict[str, float]]:

@@ -86,8 +86,11 @@ void kiln_attention_bwd(const float *dout, const float *q, const float *k, const
                         int64_t d, int causal, int64_t window, const int32_t *seg, float scale, int nt);
 """
 #: -ffp-contract=off: no fused multiply-adds, so each expression rounds as its NumPy reference does;
-#: -fno-math-errno: sqrtf and friends vectorize (nothing reads errno)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11")
+#: -fno-math-errno: sqrtf and friends vectorize (nothing reads errno); -Wno-psabi: without AVX-512, GCC
+#: warns that the attention kernels' 16-float vectors would pass differently between functions (they are
+#: static and inlined: nothing crosses an ABI)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11",
+         "-Wno-psabi")
 LINK_FLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()

@@ -15,26 +15,100 @@ typedef int64_t i64;
 /* rows per block of a cross-row reduction: a cut that depends on the shape only */
 #define ROW_BLOCK 32
 
+/* a * b + c, fused (one rounding) where the CPU has FMA (the compiler's target: -march=native), else
+ * two roundings; only in the approximations below, whose error bounds hold either way */
+#if defined(__FMA__) || defined(__aarch64__)
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* e^r for |r| <= ln2 / 2: 1 + r + r^2 P(r), P of degree 5 */
+static inline float exp_poly(float r) {
+    float p = 1.9875691500e-4f;
+    p = MADD(p, r, 1.3981999507e-3f);
+    p = MADD(p, r, 8.3334519073e-3f);
+    p = MADD(p, r, 4.1665795894e-2f);
+    p = MADD(p, r, 1.6666665459e-1f);
+    p = MADD(p, r, 5.0000001201e-1f);
+    return MADD(p, r * r, r) + 1.0f;
+}
+
+/* 2^n for an integral float n in [-127, 128] (-127: 0, 128: inf), put into the exponent bits */
+static inline float pow2_int(float n) {
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return two_n;
+}
+
 /* e^x in float32 to ~2 ulp, written so that loops over it vectorize (glibc's expf does not without
  * -ffast-math): x = n ln2 + r, e^r by a degree-6 polynomial, 2^n put into the exponent bits. */
 static inline float exp_f(float x_in) {
     float x = x_in > -87.3f ? x_in : -87.3f;  /* below: 0 (returned at the end); above: ~inf */
     x = x < 88.7f ? x : 88.7f;
     float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f;  /* ln2 in two parts: the first product is exact */
-    r = r - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    float e = p * two_n;
+    float r = MADD(n, -0.693145751953125f, x);  /* ln2 in two parts: n times the first is exact */
+    r = MADD(n, -1.428606765330187045e-06f, r);
+    float e = exp_poly(r) * pow2_int(n);
     return x_in < -87.3f ? 0.0f : e;  /* e^-inf = 0: masked scores */
+}
+
+/* e^(hi + lo) for hi in [-87.3, 0] (below: 0), |lo| < 1: the argument's low part kept out of the sum that
+ * would round it away (hi - n ln2 is exact, lo joins the small remainder) */
+static inline float exp_hi_lo(float hi, float lo) {
+    float x = hi > -87.3f ? hi : -87.3f;
+    float n = rintf((x + lo) * 1.44269504088896341f);
+    float r = MADD(n, -0.693145751953125f, x) + lo;
+    r = MADD(n, -1.428606765330187045e-06f, r);
+    float e = exp_poly(r) * pow2_int(n);
+    return hi < -87.3f ? 0.0f : e;
+}
+
+/* the rounding error of a2 = a * a (a * a - a2 exactly): a fused multiply-add where there is one, else
+ * Dekker's product of a's two 12-bit halves */
+static inline float square_lo(float a, float a2) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return fmaf(a, a, -a2);
+#else
+    float t = a * 4097.0f, ah = t - (t - a), al = a - ah;
+    return ((ah * ah - a2) + 2.0f * ah * al) + al * al;
+#endif
+}
+
+/* The standard normal distribution, vectorised in float32 (glibc's erfc is scalar double): for a = |x|,
+ * Q(a) = P(X > a) = C u e^(-a^2 / 2 + T(s)), u = 1 / (1 + 3a/8), s = (1 - 29a/56) u: u mapped from
+ * [0.16, 1] (a in [0, 14]; past it Q is below float32's range) onto [-1, 1] without the cancellation of
+ * 2.38u - 1.38, and C e^T(s) = e^(log(Q / u) + a^2 / 2), a smooth function of u, fitted by a
+ * degree-10 polynomial (least squares with Lawson's weights, float64, against 0.5 erfc(a / sqrt 2);
+ * error 4e-9). a^2 / 2 enters the exponential with its rounding error
+ * (square_lo), so Q keeps its relative accuracy where it is tiny: Phi(x) = Q(-x) for x < 0 has no
+ * cancellation, and 1 - Q(x) for x >= 0 none either (Q <= 1/2). Returns Phi(x); *gauss (unless NULL)
+ * gets e^(-x^2 / 2). tests/test_kernels.py measures the error against float64 math.erf. */
+static inline float norm_cdf(float x, float *gauss) {
+    float a = fabsf(x);
+    a = a < 20.0f ? a : 20.0f;  /* Q(20) is 0 in float32 already; inf (and NaN) would make NaNs below */
+    float a2 = a * a;
+    float hi = -0.5f * a2, lo = -0.5f * square_lo(a, a2);
+    float den = MADD(a, 0.375f, 1.0f), u = 1.0f / den;
+    float s = MADD(a, -0.5178571428571429f, 1.0f) * u;
+    float t = -3.170887e-05f;
+    t = MADD(t, s, 3.0458486e-05f);
+    t = MADD(t, s, 2.2130746e-04f);
+    t = MADD(t, s, -4.2870917e-04f);
+    t = MADD(t, s, -8.115788e-04f);
+    t = MADD(t, s, 3.5699948e-03f);
+    t = MADD(t, s, 1.6265098e-03f);
+    t = MADD(t, s, -2.9670535e-02f);
+    t = MADD(t, s, -3.614845e-04f);
+    t = MADD(t, s, 5.4515165e-01f);
+    t = t * s;
+    float q = (0.29746965f * u) * exp_hi_lo(hi, lo + t);
+#if defined(__FMA__) || defined(__aarch64__)
+    q = fmaf(q, fmaf(-u, den, 1.0f), q);  /* u's rounding error, 1 - u den, taken off */
+#endif
+    if (gauss) *gauss = exp_hi_lo(hi, lo);
+    return x < 0.0f ? q : 1.0f - q;
 }
 
 /* sigmoid(x) = 1 / (1 + e^-x) */
@@ -190,8 +264,8 @@ void kiln_silu_mul_bwd(const float *d, const float *g, const float *u, float *dg
 }
 
 /* ---- gelu and geglu (reference: kiln.core.ops.library._elementwise) -------------------------------
- * Exact: gelu(x) = x Phi(x), Phi(x) = erfc(-x / sqrt 2) / 2 in double, rounded once (no cancellation for
- * negative x, where the reference's 1 + erf loses digits); its derivative Phi(x) + x phi(x).
+ * Exact: gelu(x) = x Phi(x) by norm_cdf, vectorised (no cancellation for negative x, where the
+ * reference's 1 + erf loses digits); its derivative Phi(x) + x phi(x), phi(x) = e^(-x^2 / 2) / sqrt(2 pi).
  * Tanh form: (1 + tanh(u)) / 2 = sigmoid(2 u), u = sqrt(2/pi) (x + 0.044715 x^3), so gelu = x s with
  * s = sigmoid(2 u) and its derivative s + 2 x s (1 - s) sqrt(2/pi) (1 + 3 0.044715 x^2): float32 and
  * the vectorised exp, no cancellation either. out = gelu(x) * up when up is given (geglu). */
@@ -211,12 +285,13 @@ void kiln_gelu_fwd(const float *x, const float *up, float *out, i64 size, int ta
         for (i64 j = 0; j < size; j++) out[j] = x[j] * gelu_tanh_s(x[j]);
         return;
     }
-    #pragma omp parallel for schedule(static) num_threads(nt)
-    for (i64 j = 0; j < size; j++) {
-        double xd = (double)x[j];
-        float g = (float)(0.5 * xd * erfc(-xd * 0.7071067811865476));
-        out[j] = up ? g * up[j] : g;
+    if (up) {
+        #pragma omp parallel for simd schedule(static) num_threads(nt)
+        for (i64 j = 0; j < size; j++) out[j] = (x[j] * norm_cdf(x[j], NULL)) * up[j];
+        return;
     }
+    #pragma omp parallel for simd schedule(static) num_threads(nt)
+    for (i64 j = 0; j < size; j++) out[j] = x[j] * norm_cdf(x[j], NULL);
 }
 
 void kiln_gelu_bwd(const float *d, const float *x, float *dx, i64 size, int tanh_form, int nt) {
@@ -228,11 +303,10 @@ void kiln_gelu_bwd(const float *d, const float *x, float *dx, i64 size, int tanh
         }
         return;
     }
-    #pragma omp parallel for schedule(static) num_threads(nt)
+    #pragma omp parallel for simd schedule(static) num_threads(nt)
     for (i64 j = 0; j < size; j++) {
-        double xd = (double)x[j];
-        double grad = 0.5 * erfc(-xd * 0.7071067811865476) + xd * 0.3989422804014327 * exp(-0.5 * xd * xd);
-        dx[j] = (float)((double)d[j] * grad);
+        float g, phi = norm_cdf(x[j], &g);
+        dx[j] = d[j] * MADD(x[j], 0.3989422804f * g, phi);
     }
 }
 
@@ -271,11 +345,18 @@ void kiln_lm_head_softmax(float *z, const int64_t *target, const float *dl, floa
         float m = -INFINITY;
         #pragma omp simd reduction(max:m)
         for (i64 j = 0; j < v; j++) m = zi[j] > m ? zi[j] : m;
-        #pragma omp simd
-        for (i64 j = 0; j < v; j++) zi[j] = exp_f(zi[j] - m);
-        double total = 0.0;  /* a second pass: a double sum inside the exp loop stops it vectorizing */
-        #pragma omp simd reduction(+:total)
-        for (i64 j = 0; j < v; j++) total += (double)zi[j];
+        double total = 0.0;  /* float partial sums of 256 terms in vector lanes, as sum_exp */
+        for (i64 j0 = 0; j0 < v; j0 += 256) {
+            i64 j1 = j0 + 256 < v ? j0 + 256 : v;
+            float part = 0.0f;
+            #pragma omp simd reduction(+:part)
+            for (i64 j = j0; j < j1; j++) {
+                float e = exp_f(zi[j] - m);
+                zi[j] = e;
+                part += e;
+            }
+            total += (double)part;
+        }
         float l = m + (float)log(total);
         lse[i] = l;
         loss[i] = t >= 0 ? l - picked : 0.0f;
@@ -305,6 +386,20 @@ void kiln_embedding_bwd(const float *d, const int64_t *ids, float *dw, i64 n, i6
     }
 }
 
+/* sum over j < n of exp(x[j] - m) in double, from float partial sums of 256 terms each summed in
+ * vector lanes (a double sum inside the exp loop would not vectorize) */
+static inline double sum_exp(const float *x, i64 n, float m) {
+    double total = 0.0;
+    for (i64 j0 = 0; j0 < n; j0 += 256) {
+        i64 j1 = j0 + 256 < n ? j0 + 256 : n;
+        float part = 0.0f;
+        #pragma omp simd reduction(+:part)
+        for (i64 j = j0; j < j1; j++) part += exp_f(x[j] - m);
+        total += (double)part;
+    }
+    return total;
+}
+
 /* ---- cross_entropy and its backward (reference: kiln.core.ops.library._loss) ---------------------
  * On logits z [rows, v], one row per iteration: lse = m + log(sum exp(z - m)), loss = lse - z[target]
  * (0 for an ignored row, target < 0); the backward d_z = exp(z - lse) (dl + dlse) - onehot(target) dl,
@@ -317,10 +412,7 @@ void kiln_cross_entropy_fwd(const float *z, const int64_t *target, float *loss, 
         float m = -INFINITY;
         #pragma omp simd reduction(max:m)
         for (i64 j = 0; j < v; j++) m = zi[j] > m ? zi[j] : m;
-        double total = 0.0;
-        #pragma omp simd reduction(+:total)
-        for (i64 j = 0; j < v; j++) total += (double)exp_f(zi[j] - m);
-        float l = m + (float)log(total);
+        float l = m + (float)log(sum_exp(zi, v, m));
         lse[i] = l;
         loss[i] = target[i] >= 0 ? l - zi[target[i]] : 0.0f;
     }
@@ -355,14 +447,7 @@ void kiln_lse_chunk(const float *z, i64 rows, i64 cols, i64 v0, const int64_t *t
         i64 t = target[i] - v0;
         if (t >= 0 && t < cols) picked[i] = zi[t];
         if (mn == -INFINITY) continue;  /* every logit so far -inf: nothing to add */
-        double total = 0.0;  /* float partial sums of 256 terms (a double sum in the loop would not vectorize) */
-        for (i64 j0 = 0; j0 < cols; j0 += 256) {
-            i64 j1 = j0 + 256 < cols ? j0 + 256 : cols;
-            float part = 0.0f;
-            #pragma omp simd reduction(+:part)
-            for (i64 j = j0; j < j1; j++) part += exp_f(zi[j] - mn);
-            total += (double)part;
-        }
+        double total = sum_exp(zi, cols, mn);
         s[i] = s[i] * exp((double)m[i] - (double)mn) + total;
         m[i] = mn;
     }
@@ -635,10 +720,9 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 /* KEEP(x): x stays in a vector register (an empty asm that claims to change it), so that the compiler
  * does not fold its load into every multiply-add that uses it */
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__AVX512F__)  /* a 16-float vector fits one register only with AVX-512: elsewhere (AVX2: two ymm,
+                            NEON: four) no constraint names it and the build would fail */
 #define KEEP(x) __asm__("" : "+v"(x))
-#elif defined(__aarch64__)
-#define KEEP(x) __asm__("" : "+w"(x))
 #else
 #define KEEP(x) ((void)0)
 #endif
@@ -646,21 +730,37 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
-/* s[4][KB] = a[4][dp] @ bt[dp][KB] (a's rows dp apart, bt's ldb, s's KB) */
-static inline void mk_ab(const float *a, const float *bt, i64 ldb, float *s, i64 dp) {
+/* s[4][16 nv] = a[4][dp] @ bt[dp][16 nv] (a's rows dp apart, bt's ldb, s's KB), nv = 1..4 vectors of keys */
+static inline __attribute__((always_inline)) void mk_ab_part(const float *a, const float *bt, i64 ldb, float *s,
+                                                             i64 dp, int nv) {
     v16 c[4][4];
     memset(c, 0, sizeof c);
     for (i64 d = 0; d < dp; d++) {
         const float *row = bt + d * ldb;
-        v16 b0 = ld(row), b1 = ld(row + 16), b2 = ld(row + 32), b3 = ld(row + 48);
-        KEEP(b0); KEEP(b1); KEEP(b2); KEEP(b3);  /* else each product reloads them from L1 */
+        v16 b[4];
+        for (int k = 0; k < nv; k++) {
+            b[k] = ld(row + 16 * k);
+            KEEP(b[k]);  /* else each product reloads them from L1 */
+        }
         for (int r = 0; r < 4; r++) {
             float x = a[r * dp + d];
-            c[r][0] += x * b0; c[r][1] += x * b1; c[r][2] += x * b2; c[r][3] += x * b3;
+            for (int k = 0; k < nv; k++) c[r][k] += x * b[k];
         }
     }
     for (int r = 0; r < 4; r++)
-        for (int k = 0; k < 4; k++) st(s + r * KB + 16 * k, c[r][k]);
+        for (int k = 0; k < nv; k++) st(s + r * KB + 16 * k, c[r][k]);
+}
+
+/* the scores of 4 rows against the first nk <= KB keys of a block, rounded up to 16; the columns past
+ * them keep what they held (the caller masks them) */
+static void mk_ab(const float *a, const float *bt, i64 ldb, float *s, i64 dp, i64 nk) {
+    switch ((nk + 15) / 16) {
+    case 4: mk_ab_part(a, bt, ldb, s, dp, 4); break;
+    case 3: mk_ab_part(a, bt, ldb, s, dp, 3); break;
+    case 2: mk_ab_part(a, bt, ldb, s, dp, 2); break;
+    case 1: mk_ab_part(a, bt, ldb, s, dp, 1); break;
+    default: break;
+    }
 }
 
 /* acc[4][dp] += p[4][kn] @ v[kn][dp] (p's rows KB apart), nv = 1..4 vectors of D from column d0 */
@@ -776,6 +876,20 @@ static inline void key_range(const attn_shape *s, i64 t0, i64 t1, i64 *lo, i64 *
     *lo = (*lo / KB) * KB;
 }
 
+/* how many of the block's kn keys from k0 the rows r..r + 3 of a block of rows may see: causal, those up
+ * to the group's last position (the diagonal's blocks are triangles: a group of rows skips the keys
+ * that none of its rows sees); else all kn. The scores, probabilities and products past it are skipped:
+ * their probabilities would be exp(-inf) = 0. */
+static inline i64 group_keys(const attn_shape *s, i64 t0, i64 n, i64 rows, i64 r, i64 k0, i64 kn) {
+    if (!s->causal) return kn;
+    i64 seen = 0;
+    for (i64 i = r; i < r + 4 && i < rows; i++) {
+        i64 v = t0 + i % n + s->off + 1 - k0;
+        seen = v > seen ? v : seen;
+    }
+    return seen < kn ? seen : kn;
+}
+
 /* whether a block needs its mask applied (else every pair in it is kept) */
 static inline int block_masked(const attn_shape *s, i64 t0, i64 t1, i64 k0, i64 k1) {
     i64 p0 = t0 + s->off, p1 = t1 + s->off;
@@ -848,7 +962,8 @@ static void attn_fwd(rows_t qx, rows_t kx, rows_t vx, wrows_t ox, float *lse, at
                 key_range(&s, t0, t1, &lo, &hi);
                 for (i64 k0 = lo; k0 < hi; k0 += KB) {
                     i64 k1 = k0 + KB < hi ? k0 + KB : hi, kn = k1 - k0;
-                    for (i64 r = 0; r < r4; r += 4) mk_ab(q + r * s.dp, kt + k0, tp, sc + r * KB, s.dp);
+                    for (i64 r = 0; r < r4; r += 4)
+                        mk_ab(q + r * s.dp, kt + k0, tp, sc + r * KB, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
                     int masked = block_masked(&s, t0, t1, k0, k1);
                     for (i64 r = 0; r < rows; r++) {
                         float *x = sc + r * KB;
@@ -866,7 +981,8 @@ static void attn_fwd(rows_t qx, rows_t kx, rows_t vx, wrows_t ox, float *lse, at
                         if (alpha != 1.0f)
                             for (i64 e = 0; e < s.dp; e++) acc[r * s.dp + e] *= alpha;
                     }
-                    for (i64 r = 0; r < r4; r += 4) mk_pv(sc + r * KB, vr + k0 * s.dp, acc + r * s.dp, s.dp, kn);
+                    for (i64 r = 0; r < r4; r += 4)
+                        mk_pv(sc + r * KB, vr + k0 * s.dp, acc + r * s.dp, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
                 }
                 for (i64 r = 0; r < rows; r++) {
                     i64 h = g * s.rep + r / n, p = t0 + r % n;
@@ -927,7 +1043,8 @@ static void attn_bwd(rows_t dox, rows_t qx, rows_t kx, rows_t vx, rows_t ox, con
                 key_range(&s, t0, t1, &lo, &hi);
                 for (i64 k0 = lo; k0 < hi; k0 += KB) {
                     i64 k1 = k0 + KB < hi ? k0 + KB : hi, kn = k1 - k0;
-                    for (i64 r = 0; r < r4; r += 4) mk_ab(q + r * s.dp, kt + k0, tp, p + r * KB, s.dp);
+                    for (i64 r = 0; r < r4; r += 4)
+                        mk_ab(q + r * s.dp, kt + k0, tp, p + r * KB, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
                     int masked = block_masked(&s, t0, t1, k0, k1);
                     for (i64 r = 0; r < r4; r++) {
                         float *x = p + r * KB, lv = lr[r];
@@ -936,8 +1053,10 @@ static void attn_bwd(rows_t dox, rows_t qx, rows_t kx, rows_t vx, rows_t ox, con
                         for (i64 j = 0; j < KB; j++) x[j] = exp_f(x[j] - lv);
                     }
                     if (dox.p) {
-                        for (i64 r = 0; r < r4; r += 4) mk_tn(p + r * KB, dor + r * s.dp, dv + k0 * s.dp, s.dp, kn);
-                        for (i64 r = 0; r < r4; r += 4) mk_ab(dor + r * s.dp, vt + k0, tp, ds + r * KB, s.dp);
+                        for (i64 r = 0; r < r4; r += 4)
+                            mk_tn(p + r * KB, dor + r * s.dp, dv + k0 * s.dp, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
+                        for (i64 r = 0; r < r4; r += 4)
+                            mk_ab(dor + r * s.dp, vt + k0, tp, ds + r * KB, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
                     } else {
                         memset(ds, 0, (size_t)(r4 * KB) * sizeof(float));
                     }
@@ -946,8 +1065,10 @@ static void attn_bwd(rows_t dox, rows_t qx, rows_t kx, rows_t vx, rows_t ox, con
                         #pragma omp simd
                         for (i64 j = 0; j < KB; j++) x[j] = pr[j] * (x[j] + sh);
                     }
-                    for (i64 r = 0; r < r4; r += 4) mk_pv(ds + r * KB, kr + k0 * s.dp, dq + r * s.dp, s.dp, kn);
-                    for (i64 r = 0; r < r4; r += 4) mk_tn(ds + r * KB, q + r * s.dp, dk + k0 * s.dp, s.dp, kn);
+                    for (i64 r = 0; r < r4; r += 4)
+                        mk_pv(ds + r * KB, kr + k0 * s.dp, dq + r * s.dp, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
+                    for (i64 r = 0; r < r4; r += 4)
+                        mk_tn(ds + r * KB, q + r * s.dp, dk + k0 * s.dp, s.dp, group_keys(&s, t0, n, rows, r, k0, kn));
                 }
                 for (i64 r = 0; r < rows; r++) {
                     i64 h = g * s.rep + r / n, pos = t0 + r % n;
