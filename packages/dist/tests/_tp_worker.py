@@ -150,19 +150,21 @@ def _stats(model: Model, vocab: int = CONFIG["vocab_size"]) -> list[tuple[float,
 
 
 def train(rank_world: tuple[int, int] | None, name: str = "Qwen3Model",
-          parallel: TensorParallel | None = None) -> tuple[Model, list[tuple[float, float]]]:
+          parallel: TensorParallel | None = None,
+          backend: str = "numpy") -> tuple[Model, list[tuple[float, float]]]:
     bundle = tiny(name)
     opt = AdamW(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)  # clipping at every step
-    # float64: the order of the sums shows less
-    full = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64")
+    # float64 (on numpy): the order of the sums shows less
+    dtype = "float64" if backend == "numpy" else "float32"
+    full = Model.from_ir(bundle, seed=0, optimizer=opt, dtype=dtype, backend=backend)
     vocab = MODELS[name].get("vocab_size", CONFIG["vocab_size"])
     if rank_world is None:
         return full, _stats(full, vocab)
     if parallel is None:  # parallel= adds the tensor_parallel pass
-        model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64", init=None,
+        model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype=dtype, init=None, backend=backend,
                               parallel=TensorParallel("mpi"))
     else:  # the older spelling: the pass given, the parallelism as data_parallel
-        model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype="float64", init=None,
+        model = Model.from_ir(bundle, seed=0, optimizer=opt, dtype=dtype, init=None, backend=backend,
                               passes=[("tensor_parallel", {"communicator": parallel.comm})],
                               data_parallel=parallel)
     model.set_parameters(shard(full.parameters(), bundle, *rank_world))
@@ -173,13 +175,15 @@ if __name__ == "__main__":
     comm = get_registry("communicators")["mpi"]
     extra: dict[str, Any] = {}
     if sys.argv[3:4] == ["grid"]:  # D x T: D data-parallel groups of T tensor-parallel ranks
-        # grid [T] [zero]: T tensor-parallel ranks (2 by default), ZeRO-1 over the data-parallel axis
+        # grid [T] [zero] [cuda]: T tensor-parallel ranks (2 by default), ZeRO-1 over the data-parallel
+        # axis; on the cuda backend over nccl-tp / nccl-dp, a GPU per rank
         degree = int(sys.argv[4]) if sys.argv[4:5] and sys.argv[4].isdigit() else 2
-        dp, tp = grid(degree)
+        backend = "cuda" if "cuda" in sys.argv else "numpy"
+        dp, tp = grid(degree, communicator="nccl" if backend == "cuda" else "mpi")
         group = get_registry("communicators")[tp]
         zero = int("zero" in sys.argv)
         model, losses = train((group.rank, group.world_size), sys.argv[2],
-                              TensorParallel(tp, DataParallel(dp, bucket_bytes=4096, zero=zero)))
+                              TensorParallel(tp, DataParallel(dp, bucket_bytes=4096, zero=zero)), backend)
         state = gather_state(model)  # the whole model's, on every rank
         extra = {f"whole:{s}:{k}": v for s, d in state["optimizer"].items() if isinstance(d, dict)
                  for k, v in d.items()}

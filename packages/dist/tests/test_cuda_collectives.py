@@ -8,7 +8,9 @@ are derived from this rank's, so the sums are known without a second process.
 The overlapped ops (``*_start``/``*_wait``) run on a stand-in device with a communication stream
 whose collectives wait in a queue until the compute stream waits on an event recorded after them
 (as on a GPU, where NCCL runs them asynchronously): a wait that did not make the compute stream wait
-would unpack a bucket not yet summed. It counts the bytes copied to and from the host."""
+would unpack a bucket not yet summed. It counts the bytes copied to and from the host (none: whether
+a gradient changed since the start is the host's to know) and the device allocations (none during a
+training step: the buckets live in planned arena memory)."""
 
 from __future__ import annotations
 
@@ -276,17 +278,29 @@ def streams(tmp_path_factory: pytest.TempPathFactory) -> Streams:
     return Streams(tmp_path_factory.getbasetemp() / "emulated")
 
 
-@pytest.mark.parametrize("changed", [False, True], ids=["as-sent", "changed-after-the-start"])
+def _buffer_for(start: Any, dev: EmulatedDevice, world: int = 2) -> DeviceArray:
+    """The bucket's flat buffer as a Program plans it (``SyncPlan.buffers``): the sizes of SHAPES for an
+    all-reduce; every rank's chunk and this rank's receive chunk for a reduce-scatter."""
+    sizes = [int(np.prod(s)) for s in SHAPES]
+    chunk = max(sum(n for n, o in zip(sizes, OWNERS, strict=True) if o == r) for r in range(world))
+    n = sum(sizes) if start is cuda_bucket_all_reduce_start else (world + 1) * chunk
+    return _on_device(dev, [np.full(n, np.nan, np.float32)])[0]  # whatever the arena held before
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["as-sent", "written-after-the-start"])
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(("start", "wait", "ref_start", "ref_wait", "attrs"), OVERLAPPED,
                          ids=["all_reduce", "reduce_scatter"])
 def test_overlapped_collectives_run_on_the_communication_stream_without_host_copies(
         streams: Streams, start: Any, wait: Any, ref_start: Any, ref_wait: Any, attrs: dict[str, Any],
         rank: int, changed: bool) -> None:
-    """The start packs on the device and enqueues the collective on the communication stream (nothing
-    summed yet, nothing copied to or from the host); the wait makes the compute stream wait, then
-    unpacks: the reference's results. A gradient changed between them (micro-batches) is summed
-    again as it is then; the one number read back is whether it changed."""
+    """The start packs into the bucket's planned buffer on the device and enqueues the collective on
+    the communication stream (nothing summed yet, nothing copied to or from the host, nothing
+    allocated); the wait makes the compute stream wait, then unpacks: the reference's results. A
+    gradient the host wrote between them (an Executable's ``write``: micro-batches' sums) is summed
+    again as it is then; whether it was is known on the host: nothing is read back."""
+    from kiln.cuda._backend import note_host_write
+
     with PluginSession().activate():
         comm = Pair(rank, device_buffers=True, device=streams)
         get_registry("communicators").register("pair", comm)
@@ -297,21 +311,23 @@ def test_overlapped_collectives_run_on_the_communication_stream_without_host_cop
             expected[1] += 1
         ref_wait(*expected, communicator="pair", **attrs)
         arrays = _on_device(streams, host)
-        streams.to_host = streams.to_device = 0
+        buffer = _buffer_for(start, streams)
+        streams.to_host = streams.to_device = streams.allocs = 0
         comm.got.clear()
-        start(*arrays, communicator="pair", step=1, lr=0.0, scale=1.0, **attrs)
-        assert (streams.to_host, streams.to_device) == (0, 0)
+        start(*arrays, buffer, communicator="pair", step=1, lr=0.0, scale=1.0, buffer=1, **attrs)
+        assert (streams.to_host, streams.to_device, streams.allocs) == (0, 0, 0)
         assert comm.streams == [Streams.COMM] and len(streams.queue) == 1 and streams.ran == 0  # in flight
         for got, sent in zip(_read(streams, arrays), host, strict=True):
             np.testing.assert_array_equal(got, sent)  # the gradients untouched while it runs
-        if changed:
+        if changed:  # as CudaExecutable.write does it
             streams.copy_to_device(arrays[1].ptr, host[1] + 1)
+            note_host_write(streams)
         streams.to_host = streams.to_device = 0
-        wait(*arrays, communicator="pair", step=1, lr=0.0, scale=1.0, **attrs)
-        assert (streams.to_host, streams.to_device) == (4, 0)  # whether a gradient changed: one float
+        wait(*arrays, buffer, communicator="pair", step=1, lr=0.0, scale=1.0, buffer=1, **attrs)
+        assert (streams.to_host, streams.to_device, streams.allocs) == (0, 0, 0)  # nothing read back
         assert streams.ran == len(streams.queue) == 1  # the started collective has run
         assert comm.streams == [Streams.COMM] + [Streams.COMPUTE] * changed  # again, on the compute stream
-        assert set(comm.got) == {CudaBuffer, np.ndarray}  # the bucket on the device; the flag on the host
+        assert set(comm.got) == {CudaBuffer}  # the bucket on the device; no flag through the host
         assert streams.waited_before_unpacking(arrays)
         for got, want in zip(_read(streams, arrays), expected, strict=True):
             np.testing.assert_array_equal(got, want)
@@ -386,20 +402,27 @@ def test_sharded_grad_norm_sums_the_squares_on_the_device(streams: Streams, over
 
 
 def test_the_dry_run_that_sizes_temporaries_runs_no_collective(streams: Streams) -> None:
+    """The backend's dry run (a device named ``sizing``) sees the flat buffers a plain bucket op packs
+    into (its step's workspace is sized by them), and no collective runs."""
     from kiln.cuda._backend import _SizingDevice
 
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    chunk = 12 + 8  # rank 1's part (OWNERS), the larger: every rank's is padded to it
     with PluginSession().activate():
         comm = Pair(0, device_buffers=True, device=streams)
         get_registry("communicators").register("pair", comm)
         sizing = _SizingDevice(streams)
         arrays = [DeviceArray(sizing, 0, s, "float32") for s in SHAPES]
-        for fn, attrs in ((cuda_bucket_all_reduce, {}), (cuda_bucket_all_reduce_start, {"bucket": 0}),
-                          (cuda_bucket_reduce_scatter_wait, {"bucket": 0, "owners": OWNERS}),
-                          (cuda_bucket_all_gather, {"owners": OWNERS})):
+        for fn, attrs, least in ((cuda_bucket_all_reduce, {}, 4 * n),
+                                 (cuda_bucket_reduce_scatter, {"owners": OWNERS}, 4 * 3 * chunk),
+                                 (cuda_bucket_all_gather, {"owners": OWNERS}, 4 * 3 * chunk),
+                                 (cuda_bucket_all_reduce_start, {"bucket": 0}, 0),
+                                 (cuda_bucket_reduce_scatter_wait, {"bucket": 0, "owners": OWNERS}, 0)):
+            sizing.high = sizing.live = 0
             fn(*arrays, communicator="pair", **attrs)
+            assert sizing.high >= least and sizing.live == 0, fn.__name__  # given back at the end
         cuda_sharded_grad_norm(*arrays, communicator="pair")
         assert comm.got == [] and not IN_FLIGHT
-
 
 
 class Mirror(Pair):
@@ -446,7 +469,7 @@ def test_data_parallel_on_emulated_cuda_over_a_device_communicator_equals_numpy(
             runs.append((stats, model.parameters(), set(comm.got)))
             assert not IN_FLIGHT and not PENDING
     (want, ref, _), (got, params, buffers) = runs
-    assert buffers == {CudaBuffer, np.ndarray}  # buckets on the device (and the overlap's one flag)
+    assert buffers == {CudaBuffer, np.ndarray}  # buckets on the device; the step's loss on the host
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
@@ -479,3 +502,75 @@ def test_bind_gpu_gives_each_rank_of_a_node_its_own_gpu(tmp_path: Path, visible:
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [f"{e} {e}" for e in expected]
+
+
+def _flat_bytes(program: Any, step: Any, world: int = 2) -> int:
+    """The bytes a bucket op packs its tensors into: the tensors' for an all-reduce; every rank's chunk
+    (each rank's part padded to the largest) and one chunk more (to receive, or to send) otherwise."""
+    keys = step.inputs[:-1] if step.attrs.get("buffer") else step.inputs
+    sizes = [int(np.prod(program.tensors[k].shape)) for k in keys]
+    if "owners" not in step.attrs:
+        return 4 * sum(sizes)
+    part = [0] * world
+    for n, r in zip(sizes, step.attrs["owners"], strict=True):
+        part[r] += n
+    return 4 * (world + 1) * max(part)
+
+
+OVERLAPPED_ZERO1 = {"bucket_reduce_scatter_start", "bucket_reduce_scatter_wait", "bucket_all_gather"}
+
+
+@pytest.mark.parametrize(("zero", "overlap", "ops"),
+                         [(0, False, {"bucket_all_reduce"}), (1, True, OVERLAPPED_ZERO1)],
+                         ids=["plain", "zero1-overlap"])
+def test_the_arena_plans_the_buckets_and_a_training_step_allocates_nothing(zero: int, overlap: bool,
+                                                                           ops: set[str]) -> None:
+    """On the ``cuda`` backend over a communicator of device buffers: each plain bucket collective's
+    flat buffers lie in its step's planned workspace, each overlapped bucket in a ``buffer`` slot of the
+    arena live through the Program (a collective in flight outlives its step), both within the planned
+    peak; a training step then allocates no device memory."""
+    dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3 model comes from kiln-dsl")
+    from kiln.core import Model
+    from kiln.cuda import EmulatedCuda
+    from kiln.dist import DataParallel, _plugin
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    bundle = dsl.build_bundle(Qwen3Model, {"vocab_size": 64, "d_model": 32, "n_layers": 1,
+                                           "num_query_heads": 4, "num_kv_heads": 2, "head_size": 8,
+                                           "d_ff": 64, "max_seq": 16})
+    ids = np.random.default_rng(0).integers(0, 64, (4, 9))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    session = PluginSession(autoload=False)
+    session.register(_plugin, "kiln-dist")
+    device = EmulatedDevice()  # counts its allocations
+    session.register(EmulatedCuda(device), "cuda-emulated")
+    with session.activate():
+        get_registry("communicators").register("pair", Mirror(0, device_buffers=True))
+        dp = DataParallel("pair", zero=zero, overlap=overlap, bucket_bytes=16 * 1024)
+        model = Model.from_ir(bundle, seed=0, backend="cuda", data_parallel=dp,
+                              optimizer={"name": "adamw", "lr": 1e-3, "max_grad_norm": 0.5})
+        model.train_step(batch)  # compiles the Program and allocates its arena
+        program = model.program(2, 8)  # this rank's half of the batch
+        slots = {sl.name: sl for sl in program.slots}
+        buckets = [st for st in program.steps if st.op.type.startswith("bucket_")]
+        assert {st.op.type for st in buckets} == ops
+        for st in buckets:
+            if st.attrs.get("buffer"):  # overlapped: the bucket's buffer, the op's last input
+                buffer = slots[st.inputs[-1]]
+                assert buffer.kind == "buffer" and (buffer.first, buffer.last) == (0, len(program.steps) - 1)
+                assert buffer.nbytes >= _flat_bytes(program, st), st.op.type
+            else:
+                assert slots[f"workspace.{st.index}"].nbytes >= _flat_bytes(program, st), st.op.type
+        assert overlap == any(sl.kind == "buffer" for sl in program.slots)
+        for st in buckets:  # no step between a start and its wait writes the bucket's gradients: only
+            if st.op.type.endswith("_start"):  # the host can (the wait's reason to sum again)
+                wait = next(w for w in buckets if w.op.type.endswith("_wait")
+                            and w.attrs["bucket"] == st.attrs["bucket"])
+                grads = set(st.inputs[:-1])
+                for between in program.steps[st.index + 1:wait.index]:
+                    written = between.inputs if between.how == "optimizer" else between.outputs  # in place
+                    assert not grads & set(written), (st.attrs["bucket"], between.op.type)
+        assert max(sl.offset + sl.nbytes for sl in program.slots) <= program.arena_bytes <= model.arena_bytes
+        device.allocs = 0
+        model.train_step(batch)
+        assert device.allocs == 0

@@ -1,7 +1,8 @@
 """The ``nccl`` communicator on GPUs (``nox -s gpu`` runs these; they skip, saying why, elsewhere):
 an all-reduce of device buffers on one GPU and across every GPU of the machine (a rank per GPU), and
 data parallelism over ``nccl`` on the ``cuda`` backend (plain, overlapped, ZeRO-1 and both) equal to
-one process on one and on two GPUs."""
+one process on one and on two GPUs; data x tensor parallelism on the ``nccl`` grid equal to one
+process."""
 
 from __future__ import annotations
 
@@ -81,6 +82,30 @@ def test_data_parallel_over_nccl_on_the_cuda_backend_equals_one_process(tmp_path
         np.testing.assert_allclose(rank["stats"], stats, rtol=1e-5)  # float32 sums in another order
         for k, v in model.parameters().items():
             assert np.linalg.norm(rank[f"param:{k}"] - v) <= 1e-4 * np.linalg.norm(v), k
+
+
+def test_data_by_tensor_parallel_over_the_nccl_grid_equals_one_process(tmp_path: Path) -> None:
+    """``grid(2, communicator="nccl")`` on the ``cuda`` backend, a GPU per rank: 2 x 2 on four GPUs, 1 x 2
+    on two (two ranks of one NCCL communicator may not share a GPU); a tiny Qwen3-MoE trains as one
+    process on the whole batch (float32 sums in another order: losses to 1e-4)."""
+    need(2)
+    cuda = pytest.importorskip("kiln.cuda", reason="the cuda backend is kiln-kernels-cuda's")
+    if cuda.unavailable_reason() is not None:
+        pytest.skip(f"the cuda backend cannot run here: {cuda.unavailable_reason()}")
+    spec = importlib.util.spec_from_file_location("kiln_dist_tp_worker_gpu", HERE / "_tp_worker.py")
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    n = 4 if gpus() >= 4 else 2
+    full, stats = worker.train(None, "Qwen3MoEModel", backend="cuda")
+    assert launch(n, [str(HERE / "_tp_worker.py"), str(tmp_path), "Qwen3MoEModel", "grid", "2", "cuda"],
+                  env=ENV) == 0
+    for r in range(n):
+        rank = np.load(tmp_path / f"rank{r}.npz")
+        np.testing.assert_allclose(rank["stats"], stats, rtol=1e-4)
+        for k, v in full.parameters().items():  # gathered from the slices: the whole model's
+            got = rank[f"whole:param:{k}"]
+            assert np.linalg.norm(got - v) <= 1e-3 * np.linalg.norm(v), k
 
 
 if __name__ == "__main__":  # pragma: no cover

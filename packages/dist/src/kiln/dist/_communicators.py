@@ -80,6 +80,22 @@ def bind_gpu() -> str:
     return chosen
 
 
+def gpu_count() -> int:
+    """The GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applies); 0 without a driver."""
+    from cuda.bindings import driver
+
+    driver.cuInit(0)
+    _, count = driver.cuDeviceGetCount()
+    return int(count)
+
+
+def use_gpu(index: int) -> None:
+    """Make GPU ``index`` the process's current device (where NCCL makes its communicator)."""
+    from cuda.core import Device
+
+    Device(index).set_current()
+
+
 class Done:
     """A collective that finished when it was started: waiting does nothing."""
 
@@ -266,20 +282,17 @@ class NcclCommunicator:
     def device(self) -> int:
         """The GPU (among those the process sees) NCCL runs on: the node-local rank's, as a parallel
         Model on the ``cuda`` backend picks it (:func:`rank_device`)."""
-        from cuda.bindings import driver
-
-        driver.cuInit(0)
-        _, count = driver.cuDeviceGetCount()  # the GPUs CUDA_VISIBLE_DEVICES shows
-        return self.local_rank % max(1, int(count))
+        return self.local_rank % max(1, gpu_count())
 
     @property
     def nccl(self) -> Any:
-        """The nccl4py communicator of this rank's GPU, made on first use."""
+        """The nccl4py communicator of this rank's GPU, made on first use: rank 0 of :attr:`mpi` (the
+        world, or a group's MPI sub-communicator, :func:`kiln.dist.grid`) makes the unique id and
+        broadcasts it over it, so each group's NCCL communicator joins that group's ranks alone."""
         if self._nccl is None:
-            from cuda.core import Device
             from nccl import core as nccl
 
-            Device(self.device).set_current()
+            use_gpu(self.device)
             uid = bytearray(bytes(nccl.get_unique_id() if self.rank == 0 else nccl.get_unique_id(empty=True)))
             self.mpi.broadcast(np.frombuffer(uid, np.uint8))
             self._nccl = nccl.Communicator.init(self.world_size, self.rank, nccl.UniqueId.from_bytes(uid))

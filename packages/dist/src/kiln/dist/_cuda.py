@@ -14,14 +14,23 @@ The overlapped ops run on a third stream, the device's communication stream: ``*
 bucket on the compute stream, records an event there that the communication stream waits on, and
 enqueues the collective on the communication stream (returning at once: the backward's kernels go on
 while it runs), then records a second event; ``*_wait`` makes the compute stream wait on that event
-before it unpacks. Whether a gradient changed since the start (micro-batches, a parameter group's
-rule) is decided on the device (the squared norm of the difference, ``kiln.cuda``'s norm kernels);
-the one number read back per bucket (and summed over the ranks) says whether to run the collective
-again. ``sharded_grad_norm`` sums the ranks' squares on the device too: one scalar collective.
+before it unpacks. Whether a gradient changed since the start is known on the host, nothing is read
+back: the Program runs the start after the last step that writes the bucket's gradients, so only a
+host write can change them (micro-batches' sums, a parameter group's rule: ``Executable.write``,
+which counts in the device's ``host_writes``); then the collective runs again, on every rank alike
+(they make the same writes). ``sharded_grad_norm`` sums the ranks' squares on the device too: one
+scalar collective.
+
+Memory: the plain bucket ops and the norm take their flat buffers and temporaries from the step's
+workspace (``kiln.cuda``'s ``Scratch``: the ``workspace.<step>`` slot the backend's dry run sized,
+below); an overlapped bucket stays in flight in its planned buffer, the op's last input
+(``buffer=1``, a ``buffer`` slot of the arena from ``SyncPlan.buffers``). A training step so
+allocates nothing.
 
 Any other communicator (``mpi`` takes host NumPy arrays), and a dtype a device collective does not
 take, runs the op's NumPy reference on host copies, as the backend does for an op without a kernel.
-In the backend's dry run that sizes kernel temporaries (a device named ``sizing``) they do nothing.
+In the backend's dry run that sizes kernel temporaries (a device named ``sizing``) they take the
+memory they take when they run, and run no collective.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import numpy as np
 
 from kiln.core import KilnError
 from kiln.dist._ops import (
+    _buffered,
     _communicator,
     bucket_all_gather,
     bucket_all_reduce,
@@ -109,20 +119,6 @@ def _itemsize(dtype: str) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
-class _Flat:
-    """A flat device buffer of ``size`` elements (zeroed), freed on exit."""
-
-    def __init__(self, dev: Any, size: int, dtype: str) -> None:
-        self.dev, self.buf = dev, CudaBuffer(dev.alloc(size * _itemsize(dtype)), size, dtype)
-
-    def __enter__(self) -> CudaBuffer:
-        return self.buf
-
-    def __exit__(self, *_: Any) -> None:
-        self.dev.synchronize()  # the collective and the copies are done with it
-        self.dev.free(self.buf.ptr)
-
-
 def _pack(dev: Any, arrays: Sequence[Any], ptr: int) -> None:
     for a in arrays:
         dev.copy(ptr, a.ptr, a.nbytes)
@@ -146,18 +142,36 @@ def _stream(dev: Any, name: str = "compute") -> Any:
     return None if handle is None else handle(name)
 
 
+def _comm(name: str, arrays: Sequence[Any]) -> Any:
+    """The communicator ``name``; None in a dry run where it is not registered (nothing to size)."""
+    if _dry(arrays):
+        from kiln.core import get_registry
+
+        if name not in get_registry("communicators"):
+            return None
+    return _communicator(name)
+
+
+def _flat(s: Any, size: int, dtype: str) -> CudaBuffer:
+    """``size`` elements of the step's workspace (a ``kiln.cuda`` ``Scratch``)."""
+    return CudaBuffer(s.array((size,), dtype).ptr, size, dtype)
+
+
 def cuda_bucket_all_reduce(*grads: Any, communicator: str, **scalars: Any) -> None:
-    """:func:`~kiln.dist._ops.bucket_all_reduce` on device arrays."""
-    if _dry(grads):
-        return
-    comm = _communicator(communicator)
-    if not on_device(comm, grads):
-        _host(bucket_all_reduce, grads, {"communicator": communicator, **scalars})
+    """:func:`~kiln.dist._ops.bucket_all_reduce` on device arrays, packed in the step's workspace."""
+    from kiln.cuda import Scratch
+
+    comm, dry = _comm(communicator, grads), _dry(grads)
+    if comm is None or not on_device(comm, grads):
+        if not dry:
+            _host(bucket_all_reduce, grads, {"communicator": communicator, **scalars})
         return
     dev, dtype = grads[0].device, _same_dtype("bucket_all_reduce", grads)
-    with _Flat(dev, sum(g.size for g in grads), dtype) as flat:
+    with Scratch(dev) as s:
+        flat = _flat(s, sum(g.size for g in grads), dtype)
         _pack(dev, grads, flat.ptr)
-        comm.all_reduce(flat, stream=_stream(dev))  # after the copies, on the same stream
+        if not dry:
+            comm.all_reduce(flat, stream=_stream(dev))  # after the copies, on the same stream
         _unpack(dev, flat.ptr, grads)
 
 
@@ -168,39 +182,52 @@ def _parts(arrays: Sequence[Any], owners: Sequence[int], world: int) -> tuple[li
     return parts, max(sum(a.size for a in p) for p in parts)
 
 
+def _scatter_layout(dev: Any, parts: Sequence[Sequence[Any]], chunk: int, into: CudaBuffer) -> None:
+    """Each rank's part packed at its chunk of ``into``, the padding zero."""
+    dev.memset(into.ptr, 0, into.nbytes)
+    step = chunk * into.dtype.itemsize
+    for r, part in enumerate(parts):
+        _pack(dev, part, into.ptr + r * step)
+
+
 def cuda_bucket_reduce_scatter(*grads: Any, communicator: str, owners: tuple[int, ...],
                                **scalars: Any) -> None:
-    """:func:`~kiln.dist._ops.bucket_reduce_scatter` on device arrays."""
-    if _dry(grads):
-        return
-    comm = _communicator(communicator)
-    if not on_device(comm, grads):
-        _host(bucket_reduce_scatter, grads, {"communicator": communicator, "owners": owners, **scalars})
+    """:func:`~kiln.dist._ops.bucket_reduce_scatter` on device arrays, packed in the step's workspace."""
+    from kiln.cuda import Scratch
+
+    comm, dry = _comm(communicator, grads), _dry(grads)
+    if comm is None or not on_device(comm, grads):
+        if not dry:
+            _host(bucket_reduce_scatter, grads, {"communicator": communicator, "owners": owners, **scalars})
         return
     dev, dtype = grads[0].device, _same_dtype("bucket_reduce_scatter", grads)
     parts, chunk = _parts(grads, owners, comm.world_size)
-    step = chunk * _itemsize(dtype)
-    with _Flat(dev, len(parts) * chunk, dtype) as send, _Flat(dev, chunk, dtype) as recv:
-        for r, part in enumerate(parts):  # each rank's part at its chunk, the padding zero
-            _pack(dev, part, send.ptr + r * step)
-        comm.reduce_scatter(send, recv, stream=_stream(dev))
+    with Scratch(dev) as s:
+        send, recv = _flat(s, len(parts) * chunk, dtype), _flat(s, chunk, dtype)
+        _scatter_layout(dev, parts, chunk, send)
+        if not dry:
+            comm.reduce_scatter(send, recv, stream=_stream(dev))
         _unpack(dev, recv.ptr, parts[comm.rank])
 
 
 def cuda_bucket_all_gather(*params: Any, communicator: str, owners: tuple[int, ...], **scalars: Any) -> None:
-    """:func:`~kiln.dist._ops.bucket_all_gather` on device arrays."""
-    if _dry(params):
-        return
-    comm = _communicator(communicator)
-    if not on_device(comm, params):
-        _host(bucket_all_gather, params, {"communicator": communicator, "owners": owners, **scalars})
+    """:func:`~kiln.dist._ops.bucket_all_gather` on device arrays, packed in the step's workspace."""
+    from kiln.cuda import Scratch
+
+    comm, dry = _comm(communicator, params), _dry(params)
+    if comm is None or not on_device(comm, params):
+        if not dry:
+            _host(bucket_all_gather, params, {"communicator": communicator, "owners": owners, **scalars})
         return
     dev, dtype = params[0].device, _same_dtype("bucket_all_gather", params)
     parts, chunk = _parts(params, owners, comm.world_size)
     step = chunk * _itemsize(dtype)
-    with _Flat(dev, chunk, dtype) as send, _Flat(dev, len(parts) * chunk, dtype) as recv:
+    with Scratch(dev) as s:
+        send, recv = _flat(s, chunk, dtype), _flat(s, len(parts) * chunk, dtype)
+        dev.memset(send.ptr, 0, send.nbytes)  # the padding zero, as the reference sends it
         _pack(dev, parts[comm.rank], send.ptr)
-        comm.all_gather(send, recv, stream=_stream(dev))
+        if not dry:
+            comm.all_gather(send, recv, stream=_stream(dev))
         for r, part in enumerate(parts):
             if r != comm.rank:
                 _unpack(dev, recv.ptr + r * step, part)
@@ -209,24 +236,36 @@ def cuda_bucket_all_gather(*params: Any, communicator: str, owners: tuple[int, .
 # -- overlapped: started in the backward on the communication stream, waited for in grad_sync
 
 
+def host_writes(dev: Any) -> int:
+    """How many times the host has written into ``dev``'s Programs' tensors (``Executable.write``)."""
+    return int(getattr(dev, "host_writes", 0))
+
+
 class _InFlight:
     """A collective started on the communication stream: ``done`` is recorded there after it; ``send``
-    is what it reduces (packed from the gradients), ``sent`` a copy kept to see whether they changed,
-    ``recv`` where the result lands (``send`` itself for an all-reduce)."""
+    is what it reduces (packed from the gradients), ``recv`` where the result lands (``send`` itself
+    for an all-reduce), both in the bucket's planned buffer (else in ``owned``, allocated);
+    ``writes``: :func:`host_writes` when it started."""
 
-    def __init__(self, dev: Any, send: CudaBuffer, recv: CudaBuffer, sent: CudaBuffer, done: Any,
+    def __init__(self, dev: Any, send: CudaBuffer, recv: CudaBuffer, owned: Sequence[int], done: Any,
                  events: Sequence[Any]) -> None:
-        self.dev, self.send, self.recv, self.sent = dev, send, recv, sent
-        self.done, self.events = done, events
+        self.dev, self.send, self.recv, self.owned = dev, send, recv, owned
+        self.done, self.events, self.writes = done, events, host_writes(dev)
 
     def wait(self) -> None:
         """The compute stream waits for the collective."""
         self.dev.wait("compute", self.done)
 
+    def written(self) -> bool:
+        """Whether the host wrote into the Program's tensors since the start (its gradients may differ
+        from what was sent: micro-batches' sums, a parameter group's rule)."""
+        return host_writes(self.dev) != self.writes
+
     def free(self) -> None:
-        self.dev.synchronize()  # the collective and the copies are done with the buffers
-        for b in {self.send.ptr, self.recv.ptr, self.sent.ptr}:
-            self.dev.free(b)
+        if self.owned:
+            self.dev.synchronize()  # the collective and the copies are done with the buffers
+            for b in self.owned:
+                self.dev.free(b)
         destroy = getattr(self.dev, "destroy", None)
         for e in self.events if destroy is not None else ():
             destroy(e)
@@ -237,22 +276,28 @@ class _InFlight:
 IN_FLIGHT: dict[tuple[str, str, int], _InFlight] = {}
 
 
-def _buffer(dev: Any, size: int, dtype: str) -> CudaBuffer:
-    """``size`` zeroed elements of device memory (freed by :meth:`_InFlight.free`)."""
-    return CudaBuffer(dev.alloc(size * _itemsize(dtype)), size, dtype)
+def _planned(dev: Any, into: Any, size: int, dtype: str) -> tuple[CudaBuffer, list[int]]:
+    """``size`` elements at the start of the planned buffer ``into``; without one (an op called outside
+    a Program), an allocation, returned to free."""
+    if into is None:
+        ptr = dev.alloc(size * _itemsize(dtype))
+        return CudaBuffer(ptr, size, dtype), [ptr]
+    if into.size < size or into.dtype != dtype:
+        raise KilnError(f"the bucket's planned buffer holds {into.size} {into.dtype}; the bucket needs "
+                        f"{size} {dtype}")
+    return CudaBuffer(into.ptr, size, dtype), []
 
 
-def _start(dev: Any, send: CudaBuffer, recv: CudaBuffer, collective: Callable[[Any], None]) -> _InFlight:
+def _start(dev: Any, send: CudaBuffer, recv: CudaBuffer, owned: list[int],
+           collective: Callable[[Any], None]) -> _InFlight:
     """``collective(stream)`` enqueued on the communication stream once the compute stream has packed
-    ``send`` (an event); keeps a copy of ``send`` to compare with at the wait."""
-    sent = _buffer(dev, send.size, str(send.dtype))
-    dev.copy(sent.ptr, send.ptr, send.nbytes)
+    ``send`` (an event)."""
     ready, done = dev.event(), dev.event()
     dev.record(ready, "compute")
     dev.wait("comm", ready)
     collective(_stream(dev, "comm"))
     dev.record(done, "comm")
-    return _InFlight(dev, send, recv, sent, done, (ready, done))
+    return _InFlight(dev, send, recv, owned, done, (ready, done))
 
 
 def _taken(key: tuple[str, str, int], op: str) -> _InFlight:
@@ -264,180 +309,137 @@ def _taken(key: tuple[str, str, int], op: str) -> _InFlight:
 
 def _finish_earlier(key: tuple[str, str, int]) -> None:
     """A bucket still in flight from an earlier backward (micro-batches): waited for and let go, so
-    every rank starts the same collectives."""
+    every rank starts the same collectives (and its buffer is free to pack again)."""
     if key in IN_FLIGHT:
         earlier = IN_FLIGHT.pop(key)
         earlier.wait()
         earlier.free()
 
 
-class _Temporaries:
-    """Device memory for the norm kernels' partial sums, freed on exit (``_Scratch``'s ``array``)."""
-
-    def __init__(self, dev: Any) -> None:
-        self.dev, self.ptrs = dev, []
-
-    def array(self, shape: Sequence[int], dtype: str = "float32") -> Any:
-        from kiln.cuda._ops import DeviceArray
-
-        size = int(np.prod(shape))
-        self.ptrs.append(self.dev.alloc(size * _itemsize(dtype)))
-        return DeviceArray(self.dev, self.ptrs[-1], tuple(shape), dtype)
-
-    def __enter__(self) -> _Temporaries:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.dev.synchronize()
-        for p in self.ptrs:
-            self.dev.free(p)
-
-
-def _changed(comm: Any, flight: _InFlight, now: CudaBuffer) -> bool:
-    """Whether ``now`` differs from what was sent on any rank: this rank's answer computed on the device
-    (the norm of ``now - sent``; NaN counts as changed, as for the reference), read back (one number)
-    and summed over the ranks, as the reference sums it."""
-    from kiln.cuda._ops import KERNELS, DeviceArray, _norm_into, scale
-
-    add, dev = KERNELS["add"][0], flight.dev
-    with _Temporaries(dev) as t:
-        diff = t.array((now.size,))
-        scale(DeviceArray(dev, flight.sent.ptr, (now.size,), "float32"), out=[diff], factor=-1.0)
-        add(DeviceArray(dev, now.ptr, (now.size,), "float32"), diff, out=[diff])
-        norm = t.array((1,))
-        _norm_into(t, [diff], norm.ptr)
-        dev.synchronize()
-        differs = dev.copy_to_host(norm.ptr, 4).view(np.float32)[0] != 0
-    changed = np.array([1.0 if differs else 0.0])
-    comm.all_reduce(changed)  # a host array: through the communicator's host path (MPI for nccl)
-    return bool(changed[0])
-
-
 def _overlapped(comm: Any, arrays: Sequence[Any]) -> bool:
-    """Whether an overlapped collective runs on the device: device buffers, float32 (the dtype the
-    change test's kernels read); start and wait of a bucket decide alike."""
+    """Whether an overlapped collective runs on the device: device buffers, float32; start and wait of
+    a bucket decide alike."""
     return on_device(comm, arrays) and all(a.dtype == "float32" for a in arrays)
 
 
-def cuda_bucket_all_reduce_start(*grads: Any, communicator: str, bucket: int, **scalars: Any) -> None:
-    """:func:`~kiln.dist._ops.bucket_all_reduce_start` on device arrays: the bucket packed on the
-    compute stream, its all-reduce enqueued on the communication stream."""
-    if _dry(grads):
+def cuda_bucket_all_reduce_start(*tensors: Any, communicator: str, bucket: int, buffer: int = 0,
+                                 **scalars: Any) -> None:
+    """:func:`~kiln.dist._ops.bucket_all_reduce_start` on device arrays: the bucket packed into its
+    buffer on the compute stream, its all-reduce enqueued on the communication stream."""
+    if _dry(tensors):
         return
+    grads, into = _buffered(tensors, buffer)
     comm = _communicator(communicator)
     if not _overlapped(comm, grads):
-        _host(bucket_all_reduce_start, grads, {"communicator": communicator, "bucket": bucket, **scalars})
+        _host(bucket_all_reduce_start, tensors,
+              {"communicator": communicator, "bucket": bucket, "buffer": buffer, **scalars})
         return
     key = ("all_reduce", communicator, bucket)
     _finish_earlier(key)
     dev, dtype = grads[0].device, _same_dtype("bucket_all_reduce_start", grads)
-    flat = _buffer(dev, sum(g.size for g in grads), dtype)
+    flat, owned = _planned(dev, into, sum(g.size for g in grads), dtype)
     _pack(dev, grads, flat.ptr)
-    IN_FLIGHT[key] = _start(dev, flat, flat, lambda stream: comm.all_reduce(flat, stream=stream))
+    IN_FLIGHT[key] = _start(dev, flat, flat, owned, lambda stream: comm.all_reduce(flat, stream=stream))
 
 
-def cuda_bucket_all_reduce_wait(*grads: Any, communicator: str, bucket: int, **scalars: Any) -> None:
+def cuda_bucket_all_reduce_wait(*tensors: Any, communicator: str, bucket: int, buffer: int = 0,
+                                **scalars: Any) -> None:
     """:func:`~kiln.dist._ops.bucket_all_reduce_wait` on device arrays: the compute stream waits for
-    the sum, which it unpacks (summed again, on the compute stream, if a gradient changed since)."""
-    if _dry(grads):
+    the sum, which it unpacks (summed again, on the compute stream, if the host wrote since)."""
+    if _dry(tensors):
         return
+    grads, _ = _buffered(tensors, buffer)
     comm = _communicator(communicator)
     if not _overlapped(comm, grads):
-        _host(bucket_all_reduce_wait, grads, {"communicator": communicator, "bucket": bucket, **scalars})
+        _host(bucket_all_reduce_wait, tensors,
+              {"communicator": communicator, "bucket": bucket, "buffer": buffer, **scalars})
         return
     flight = _taken(("all_reduce", communicator, bucket), "bucket_all_reduce")
     dev = flight.dev
     flight.wait()
-    now = _buffer(dev, flight.send.size, str(flight.send.dtype))
     try:
-        _pack(dev, grads, now.ptr)
-        if _changed(comm, flight, now):
-            comm.all_reduce(now, stream=_stream(dev))
-            _unpack(dev, now.ptr, grads)
-        else:
-            _unpack(dev, flight.recv.ptr, grads)
+        if flight.written():  # the gradients as they are now, summed in the same buffer
+            _pack(dev, grads, flight.send.ptr)
+            comm.all_reduce(flight.send, stream=_stream(dev))
+        _unpack(dev, flight.recv.ptr, grads)
     finally:
-        dev.synchronize()
-        dev.free(now.ptr)
         flight.free()
 
 
-def _scatter_layout(dev: Any, parts: Sequence[Sequence[Any]], chunk: int, into: CudaBuffer) -> None:
-    step = chunk * into.dtype.itemsize
-    for r, part in enumerate(parts):  # each rank's part at its chunk, the padding zero
-        _pack(dev, part, into.ptr + r * step)
-
-
-def cuda_bucket_reduce_scatter_start(*grads: Any, communicator: str, owners: tuple[int, ...], bucket: int,
-                                     **scalars: Any) -> None:
+def cuda_bucket_reduce_scatter_start(*tensors: Any, communicator: str, owners: tuple[int, ...], bucket: int,
+                                     buffer: int = 0, **scalars: Any) -> None:
     """:func:`~kiln.dist._ops.bucket_reduce_scatter_start` on device arrays: each rank's part packed
-    at its chunk on the compute stream, the reduce-scatter enqueued on the communication stream."""
-    if _dry(grads):
+    at its chunk of the buffer on the compute stream (this rank's receive chunk after them), the
+    reduce-scatter enqueued on the communication stream."""
+    if _dry(tensors):
         return
+    grads, into = _buffered(tensors, buffer)
     comm = _communicator(communicator)
-    attrs = {"communicator": communicator, "owners": owners, "bucket": bucket, **scalars}
+    attrs = {"communicator": communicator, "owners": owners, "bucket": bucket, "buffer": buffer, **scalars}
     if not _overlapped(comm, grads):
-        _host(bucket_reduce_scatter_start, grads, attrs)
+        _host(bucket_reduce_scatter_start, tensors, attrs)
         return
     key = ("reduce_scatter", communicator, bucket)
     _finish_earlier(key)
     dev, dtype = grads[0].device, _same_dtype("bucket_reduce_scatter_start", grads)
     parts, chunk = _parts(grads, owners, comm.world_size)
-    send, recv = _buffer(dev, len(parts) * chunk, dtype), _buffer(dev, chunk, dtype)
+    whole, owned = _planned(dev, into, (len(parts) + 1) * chunk, dtype)
+    send = CudaBuffer(whole.ptr, len(parts) * chunk, dtype)
+    recv = CudaBuffer(whole.ptr + send.nbytes, chunk, dtype)
     _scatter_layout(dev, parts, chunk, send)
-    IN_FLIGHT[key] = _start(dev, send, recv, lambda stream: comm.reduce_scatter(send, recv, stream=stream))
+    IN_FLIGHT[key] = _start(dev, send, recv, owned,
+                            lambda stream: comm.reduce_scatter(send, recv, stream=stream))
 
 
-def cuda_bucket_reduce_scatter_wait(*grads: Any, communicator: str, owners: tuple[int, ...], bucket: int,
-                                    **scalars: Any) -> None:
+def cuda_bucket_reduce_scatter_wait(*tensors: Any, communicator: str, owners: tuple[int, ...], bucket: int,
+                                    buffer: int = 0, **scalars: Any) -> None:
     """:func:`~kiln.dist._ops.bucket_reduce_scatter_wait` on device arrays: the compute stream waits
     for the reduce-scatter and unpacks this rank's chunk into the gradients it owns (reduce-scattered
-    again, on the compute stream, if a gradient changed since)."""
-    if _dry(grads):
+    again, on the compute stream, if the host wrote since)."""
+    if _dry(tensors):
         return
+    grads, _ = _buffered(tensors, buffer)
     comm = _communicator(communicator)
-    attrs = {"communicator": communicator, "owners": owners, "bucket": bucket, **scalars}
+    attrs = {"communicator": communicator, "owners": owners, "bucket": bucket, "buffer": buffer, **scalars}
     if not _overlapped(comm, grads):
-        _host(bucket_reduce_scatter_wait, grads, attrs)
+        _host(bucket_reduce_scatter_wait, tensors, attrs)
         return
     flight = _taken(("reduce_scatter", communicator, bucket), "bucket_reduce_scatter")
     dev = flight.dev
     flight.wait()
     parts, chunk = _parts(grads, owners, comm.world_size)
-    now = _buffer(dev, flight.send.size, str(flight.send.dtype))
     try:
-        _scatter_layout(dev, parts, chunk, now)
-        if _changed(comm, flight, now):
-            comm.reduce_scatter(now, flight.recv, stream=_stream(dev))
+        if flight.written():  # the gradients as they are now, reduce-scattered in the same buffer
+            _scatter_layout(dev, parts, chunk, flight.send)
+            comm.reduce_scatter(flight.send, flight.recv, stream=_stream(dev))
         _unpack(dev, flight.recv.ptr, parts[comm.rank])
     finally:
-        dev.synchronize()
-        dev.free(now.ptr)
         flight.free()
 
 
 def cuda_sharded_grad_norm(norm: Any, *grads: Any, communicator: str, over: str | None = None,
                            **scalars: Any) -> None:
     """:func:`~kiln.dist._ops.sharded_grad_norm` on the device: this rank's sum of squares by
-    ``kiln.cuda``'s norm kernels, summed over the ranks (and over ``over``'s) by a one-number device
-    collective on the compute stream, its square root written to ``norm``; nothing read back."""
-    arrays = [norm, *grads]
-    if _dry(arrays):
-        return
-    comms = [_communicator(communicator), *([_communicator(over)] if over is not None else [])]
-    if not all(_overlapped(c, arrays) for c in comms):
-        _host(sharded_grad_norm, arrays, {"communicator": communicator, "over": over, **scalars})
-        return
-    from kiln.cuda._ops import THREADS, _norm_into
+    ``kiln.cuda``'s norm kernels (their temporaries in the step's workspace), summed over the ranks (and
+    over ``over``'s) by a one-number device collective on the compute stream, its square root written to
+    ``norm``; nothing read back."""
+    from kiln.cuda import THREADS, Scratch, norm_into
 
+    arrays = [norm, *grads]
+    dry = _dry(arrays)
+    comms = [_comm(communicator, arrays), *([_comm(over, arrays)] if over is not None else [])]
+    if any(c is None for c in comms) or not all(_overlapped(c, arrays) for c in comms):
+        if not dry:
+            _host(sharded_grad_norm, arrays, {"communicator": communicator, "over": over, **scalars})
+        return
     dev = norm.device
-    with _Temporaries(dev) as t:
+    with Scratch(dev) as t:
         mine = t.array((2,))  # this rank's norm, then its square: what the ranks sum
         if grads:
-            _norm_into(t, grads, mine.ptr)
+            norm_into(t, grads, mine.ptr)
             dev.launch("sumsq_partial_f32", (1,), (THREADS,), (mine.ptr, 1, mine.ptr + 4))
         total = CudaBuffer(mine.ptr + 4, 1, "float32")
-        for c in comms:
+        for c in comms if not dry else ():
             c.all_reduce(total, stream=_stream(dev))
         dev.launch("sqrt_sum_f32", (1,), (THREADS,), (total.ptr, 1, norm.ptr))
 

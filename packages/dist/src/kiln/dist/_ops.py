@@ -12,6 +12,9 @@ result: one collective per bucket, whatever the number of tensors in it. ``owner
 tensor's owning rank (ZeRO-1); the ranks' parts of a bucket are padded to equal chunks. The
 attribute ``communicator`` names the communicator in the ``communicators`` registry. The kernels
 take host (NumPy) arrays; they also receive the optimizer phase's run-time scalars, and ignore them.
+An overlapped op with ``buffer=1`` has one more input, last: the flat buffer (a Program tensor, planned
+in the arena) its bucket is packed into while the collective is in flight, the same for its start and
+its wait.
 """
 
 from __future__ import annotations
@@ -81,16 +84,28 @@ def _started(key: tuple[Any, ...], op: str) -> tuple[Any, np.ndarray, np.ndarray
     return PENDING.pop(key)
 
 
-def bucket_all_reduce_start(*grads: np.ndarray, communicator: str, bucket: int, **_scalars: Any) -> None:
+def _buffered(arrays: Sequence[Any], buffer: int) -> tuple[Sequence[Any], Any]:
+    """The bucket's tensors and its planned flat buffer (the last input where ``buffer``), else None."""
+    return (arrays[:-1], arrays[-1]) if buffer else (arrays, None)
+
+
+def _flat(into: np.ndarray | None, size: int, dtype: Any) -> np.ndarray:
+    """``size`` elements at the start of the planned buffer ``into``, else new ones."""
+    return np.empty(size, dtype) if into is None else into.reshape(-1)[:size]
+
+
+def bucket_all_reduce_start(*tensors: np.ndarray, communicator: str, bucket: int, buffer: int = 0,
+                            **_scalars: Any) -> None:
     """Start the sum over the ranks of a bucket whose gradients are final (in the backward): the
     collective runs while the rest of the backward does. A bucket still in flight from an earlier
     backward (micro-batches) is waited for first, so every rank starts the same collectives."""
+    grads, into = _buffered(tensors, buffer)
     key = (communicator, bucket)
     if key in PENDING:
         handle, _, _ = PENDING.pop(key)
         handle.wait()
     comm = _communicator(communicator)
-    flat = np.empty(sum(g.size for g in grads), grads[0].dtype)
+    flat = _flat(into, sum(g.size for g in grads), grads[0].dtype)
     _pack(grads, flat)
     sent = flat.copy()
     start = getattr(comm, "all_reduce_start", None)
@@ -101,11 +116,13 @@ def bucket_all_reduce_start(*grads: np.ndarray, communicator: str, bucket: int, 
     PENDING[key] = (start(flat), flat, sent)
 
 
-def bucket_all_reduce_wait(*grads: np.ndarray, communicator: str, bucket: int, **_scalars: Any) -> None:
+def bucket_all_reduce_wait(*tensors: np.ndarray, communicator: str, bucket: int, buffer: int = 0,
+                           **_scalars: Any) -> None:
     """Wait for the bucket's sum and write it into the gradients. When a gradient changed after the
     sum started on any rank (gradients accumulated over micro-batches, or scaled or clipped by a
     parameter group's rule), every rank sums the gradients again, as they are now: one scalar
     all-reduce says whether; the result is then what ``bucket_all_reduce`` gives."""
+    grads, _ = _buffered(tensors, buffer)
     comm = _communicator(communicator)
     handle, flat, sent = _started((communicator, bucket), "bucket_all_reduce")
     handle.wait()
@@ -133,28 +150,30 @@ def bucket_reduce_scatter(*grads: np.ndarray, communicator: str, owners: tuple[i
     _unpack(recv, parts[comm.rank])
 
 
-def _rs_buffers(grads: Sequence[np.ndarray], owners: Sequence[int],
-                world: int) -> tuple[list[list[np.ndarray]], int, np.ndarray]:
+def _rs_buffers(grads: Sequence[np.ndarray], owners: Sequence[int], world: int,
+                into: np.ndarray | None = None) -> tuple[list[list[np.ndarray]], int, np.ndarray]:
     """Each rank's tensors, the chunk, and the send buffer of a bucket's reduce-scatter (each rank's
-    part packed at its chunk, the padding zero)."""
+    part packed at its chunk, the padding zero): the start of ``into`` where given."""
     parts, chunk = _parts(grads, owners, world)
-    send = np.zeros(len(parts) * chunk, grads[0].dtype)
+    send = _flat(into, len(parts) * chunk, grads[0].dtype)
+    send[...] = 0
     for r, part in enumerate(parts):
         _pack(part, send[r * chunk:(r + 1) * chunk])
     return parts, chunk, send
 
 
-def bucket_reduce_scatter_start(*grads: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
-                                **_scalars: Any) -> None:
+def bucket_reduce_scatter_start(*tensors: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
+                                buffer: int = 0, **_scalars: Any) -> None:
     """Start the reduce-scatter of a bucket whose gradients are final (in the backward, ZeRO-1 with
     overlap): the collective runs while the rest of the backward does. A bucket still in flight from
     an earlier backward (micro-batches) is waited for first."""
+    grads, into = _buffered(tensors, buffer)
     key = ("reduce_scatter", communicator, bucket)
     if key in PENDING:
         PENDING.pop(key)[0].wait()
     comm = _communicator(communicator)
-    _, chunk, send = _rs_buffers(grads, owners, comm.world_size)
-    recv = np.empty(chunk, grads[0].dtype)
+    _, chunk, send = _rs_buffers(grads, owners, comm.world_size, into)
+    recv = np.empty(chunk, grads[0].dtype) if into is None else into.reshape(-1)[send.size:send.size + chunk]
     start = getattr(comm, "reduce_scatter_start", None)
     if start is None:  # a communicator without non-blocking collectives: reduce now
         comm.reduce_scatter(send, recv)
@@ -163,12 +182,13 @@ def bucket_reduce_scatter_start(*grads: np.ndarray, communicator: str, owners: t
     PENDING[key] = (start(send, recv), recv, send)
 
 
-def bucket_reduce_scatter_wait(*grads: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
-                               **_scalars: Any) -> None:
+def bucket_reduce_scatter_wait(*tensors: np.ndarray, communicator: str, owners: tuple[int, ...], bucket: int,
+                               buffer: int = 0, **_scalars: Any) -> None:
     """Wait for the bucket's reduce-scatter and write this rank's chunk into the gradients it owns.
     When a gradient changed after the collective started on any rank (micro-batches, a parameter
     group's rule), every rank reduce-scatters the gradients again, as they are now: the result is then
     what ``bucket_reduce_scatter`` gives."""
+    grads, _ = _buffered(tensors, buffer)
     comm = _communicator(communicator)
     handle, recv, sent = _started(("reduce_scatter", communicator, bucket), "bucket_reduce_scatter")
     handle.wait()
@@ -212,6 +232,8 @@ def _no_outputs(ctx: InferContext) -> list[Any]:
 _COMM = AttrSpec("communicator", "str")
 _OWNERS = AttrSpec("owners", "ints")
 _BUCKET = AttrSpec("bucket", "int")
+_BUFFER = AttrSpec("buffer", "int", 0)
+_RS_OVERLAP = (_COMM, _OWNERS, _BUCKET, _BUFFER)
 
 
 def _op(name: str, inputs: tuple[str, ...], kernel: Any, attrs: tuple[AttrSpec, ...], doc: str) -> OpDef:
@@ -222,17 +244,17 @@ def _op(name: str, inputs: tuple[str, ...], kernel: Any, attrs: tuple[AttrSpec, 
 OPS = [
     _op("bucket_all_reduce", ("*tensors",), bucket_all_reduce, (_COMM,),
         "In place: every tensor summed over the ranks (data parallelism's gradients)."),
-    _op("bucket_all_reduce_start", ("*tensors",), bucket_all_reduce_start, (_COMM, _BUCKET),
+    _op("bucket_all_reduce_start", ("*tensors",), bucket_all_reduce_start, (_COMM, _BUCKET, _BUFFER),
         "Starts the sum of a bucket of final gradients over the ranks, in the backward (non-blocking)."),
-    _op("bucket_all_reduce_wait", ("*tensors",), bucket_all_reduce_wait, (_COMM, _BUCKET),
+    _op("bucket_all_reduce_wait", ("*tensors",), bucket_all_reduce_wait, (_COMM, _BUCKET, _BUFFER),
         "In place: the bucket's sum started by bucket_all_reduce_start (summed again if a gradient "
         "changed since)."),
     _op("bucket_reduce_scatter", ("*tensors",), bucket_reduce_scatter, (_COMM, _OWNERS),
         "In place: each tensor summed over the ranks into its owner's copy (ZeRO-1's gradients)."),
-    _op("bucket_reduce_scatter_start", ("*tensors",), bucket_reduce_scatter_start, (_COMM, _OWNERS, _BUCKET),
+    _op("bucket_reduce_scatter_start", ("*tensors",), bucket_reduce_scatter_start, _RS_OVERLAP,
         "Starts the reduce-scatter of a bucket of final gradients to their owners, in the backward "
         "(ZeRO-1 with overlap; non-blocking)."),
-    _op("bucket_reduce_scatter_wait", ("*tensors",), bucket_reduce_scatter_wait, (_COMM, _OWNERS, _BUCKET),
+    _op("bucket_reduce_scatter_wait", ("*tensors",), bucket_reduce_scatter_wait, _RS_OVERLAP,
         "In place: the owner's sums of the reduce-scatter started by bucket_reduce_scatter_start "
         "(reduce-scattered again if a gradient changed since)."),
     _op("bucket_all_gather", ("*tensors",), bucket_all_gather, (_COMM, _OWNERS),

@@ -28,6 +28,9 @@ __all__ = ["NORM", "DataParallel"]
 
 #: the Program tensor ZeRO-1's global gradient norm is written to
 NORM = "grad_sync.norm"
+#: the Program tensor an overlapped bucket is packed into while its collective is in flight (the
+#: last input of its ``*_start`` and ``*_wait`` ops, which have ``buffer=1``): planned in the arena
+BUFFER = "grad_sync.bucket{}"
 #: what each communicator needs, for the error when it is not registered
 NEEDS = {"mpi": "mpi4py and an MPI library (both dependencies of kiln-dist)",
          "nccl": "nccl4py (pip install 'kiln-dist[nccl]') on a machine with GPUs"}
@@ -101,28 +104,42 @@ class DataParallel:
             return SyncPlan()
         buckets = self.buckets(trained)
         on = {"communicator": self.comm}
-        if self.overlap and not self.zero:
-            ops = [([k for k, _ in b], {**on, "bucket": i}) for i, b in enumerate(buckets)]
+        if self.overlap and not self.zero:  # each bucket in flight in its buffer (BUFFER), start to wait
+            ops = [([*(k for k, _ in b), BUFFER.format(i)], {**on, "bucket": i, "buffer": 1})
+                   for i, b in enumerate(buckets)]
             return SyncPlan(in_backward=[Op("bucket_all_reduce_start", keys, [], a) for keys, a in ops],
-                            grad_sync=[Op("bucket_all_reduce_wait", keys, [], a) for keys, a in ops])
+                            grad_sync=[Op("bucket_all_reduce_wait", keys, [], a) for keys, a in ops],
+                            buffers=[(BUFFER.format(i), sum(math.prod(s) for _, s in b))
+                                     for i, b in enumerate(buckets)])
         if not self.zero:
             return SyncPlan(grad_sync=[Op("bucket_all_reduce", [k for k, _ in b], [], on) for b in buckets])
         owned: list[str] = []
         shares = []
+        chunks = []  # each bucket's chunk: the largest of the ranks' parts
         load = [0] * world
         for b in buckets:
-            owners = _balance([math.prod(s) for _, s in b], load)
+            sizes = [math.prod(s) for _, s in b]
+            owners = _balance(sizes, load)
             owned += [k for (k, _), r in zip(b, owners, strict=True) if r == rank]
             shares.append(([k for k, _ in b], {**on, "owners": tuple(owners)}))
-        if self.overlap:  # each reduce-scatter started in the backward, waited for in grad_sync
-            ops = [(keys, {**a, "bucket": i}) for i, (keys, a) in enumerate(shares)]
+            part = [0] * world
+            for n, r in zip(sizes, owners, strict=True):
+                part[r] += n
+            chunks.append(max(part))
+        buffers: list[tuple[str, int]] = []
+        if self.overlap:  # each reduce-scatter started in the backward, waited for in grad_sync; in flight
+            # in its buffer: the send chunks of every rank, then this rank's receive chunk
+            ops = [([*keys, BUFFER.format(i)], {**a, "bucket": i, "buffer": 1})
+                   for i, (keys, a) in enumerate(shares)]
+            buffers = [(BUFFER.format(i), (world + 1) * c) for i, c in enumerate(chunks)]
             in_backward = [Op("bucket_reduce_scatter_start", keys, [], a) for keys, a in ops]
             scatter = [Op("bucket_reduce_scatter_wait", keys, [], a) for keys, a in ops]
         else:
             in_backward, scatter = [], [Op("bucket_reduce_scatter", keys, [], a) for keys, a in shares]
         return SyncPlan(grad_sync=[*scatter, Op("sharded_grad_norm", [NORM, *owned], [], on)],
                         in_backward=in_backward, owned=frozenset(owned), norm=(NORM,), outputs=(NORM,),
-                        after_update=[Op("bucket_all_gather", keys, [], a) for keys, a in shares])
+                        after_update=[Op("bucket_all_gather", keys, [], a) for keys, a in shares],
+                        buffers=buffers)
 
 
 def _balance(sizes: Sequence[int], load: list[int]) -> list[int]:

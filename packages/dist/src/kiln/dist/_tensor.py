@@ -207,20 +207,41 @@ def _pattern(key: str) -> str:
     return f"{stack}.*.{name}" if layer.isdigit() else key
 
 
-def grid(tensor_parallel: int, *, registry: Any = None) -> tuple[str, str]:
+def grid(tensor_parallel: int, *, communicator: str | None = None, backend: str | None = None,
+         registry: Any = None) -> tuple[str, str]:
     """Cut the MPI job into groups of ``tensor_parallel`` consecutive ranks (a model's slices) and
     register two communicators: ``mpi-tp`` (this rank's group) and ``mpi-dp`` (the ranks holding the
-    same slice in the other groups, which share the batch). Returns their names (dp, tp)."""
-    from kiln.dist._communicators import MpiCommunicator
+    same slice in the other groups, which share the batch). Returns their names (dp, tp).
 
+    ``communicator="nccl"`` (the default where ``backend`` is ``cuda`` or ``cuda:N`` and nccl4py is
+    installed) registers ``nccl-tp`` and ``nccl-dp`` as well, over the same groups, and returns those:
+    each an NCCL communicator on the rank's node-local GPU whose unique id the group's first rank
+    makes and broadcasts over the group's MPI sub-communicator (``mpi-tp``/``mpi-dp``), when its first
+    collective runs."""
+    from kiln.dist._communicators import MpiCommunicator, NcclCommunicator, nccl_available
+    from kiln.dist._parallel import NEEDS
+
+    if communicator is None:
+        gpu = backend is not None and backend.partition(":")[0] == "cuda"
+        communicator = "nccl" if gpu and nccl_available() else "mpi"
+    if communicator not in ("mpi", "nccl"):
+        raise KilnError(f"grid(communicator={communicator!r}): expected 'mpi' (CPU ranks) or 'nccl' (GPUs)")
+    if communicator == "nccl" and not nccl_available():
+        raise KilnError(f"grid(communicator='nccl') needs {NEEDS['nccl']}")
     world = MpiCommunicator()
     size, rank = world.world_size, world.rank
     if tensor_parallel < 1 or size % tensor_parallel:
         raise KilnError(f"a tensor-parallel degree of {tensor_parallel} does not divide the {size} ranks")
     registry = registry if registry is not None else get_registry("communicators")
-    registry.register("mpi-tp", MpiCommunicator(world.comm.Split(rank // tensor_parallel, rank)))
-    registry.register("mpi-dp", MpiCommunicator(world.comm.Split(rank % tensor_parallel, rank)))
-    return "mpi-dp", "mpi-tp"
+    tp = MpiCommunicator(world.comm.Split(rank // tensor_parallel, rank))
+    dp = MpiCommunicator(world.comm.Split(rank % tensor_parallel, rank))
+    registry.register("mpi-tp", tp)
+    registry.register("mpi-dp", dp)
+    if communicator == "mpi":
+        return "mpi-dp", "mpi-tp"
+    registry.register("nccl-tp", NcclCommunicator(tp))
+    registry.register("nccl-dp", NcclCommunicator(dp))
+    return "nccl-dp", "nccl-tp"
 
 
 def _split(value: int, world: int, what: str, block: str) -> int:
