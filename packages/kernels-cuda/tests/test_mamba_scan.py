@@ -204,6 +204,72 @@ def test_chunked_gradients_match_finite_differences(emulated: EmulatedDevice, sm
         assert abs(analytic - numeric) <= 1e-4 * max(1.0, abs(numeric)), (i, analytic, numeric)
 
 
+@pytest.mark.parametrize(("min_blocks", "per_block"), [(16, 1), (8, 2), (1, 4)])
+def test_blocks_of_several_channels_sum_d_B_and_d_C_in_order(emulated: EmulatedDevice, small_chunks: None,
+                                                            monkeypatch: pytest.MonkeyPatch, min_blocks: int,
+                                                            per_block: int) -> None:
+    """A chunked backward's block runs 1, 2 or all 4 channels of a group (two groups, two chunks), summing
+    their parts of d_B and d_C in its slice: every gradient as the float64 reference, the same bits on a
+    second run; with a block per group its slices are d_B and d_C (no group sum runs)."""
+    monkeypatch.setattr(_ops, "SCAN_MIN_BLOCKS", min_blocks)
+    shape = (2, 8, 600, 3, 2, True, True)
+    assert _ops.scan_channels_per_block(2, 8, 2) == per_block
+    ins, full = _inputs(shape, seed=13)
+    r = np.random.default_rng(14)
+    d_out, d_last = _n(r, *ins[0].shape), _n(r, *ins[8].shape)
+    names = _launches(emulated, monkeypatch)
+    got = _backward(emulated, d_out, ins, d_last, full)
+    want = op_registry().get_op("mamba_selective_scan_backward").kernel(
+        d_out.astype(np.float64), *_f64(ins), d_last.astype(np.float64), delta_softplus=full)
+    _close(got, want)
+    assert names.count("mamba_sum_group_f32") == (0 if per_block == 4 else 2)
+    again = _backward(emulated, d_out, ins, d_last, full)
+    assert all(np.array_equal(a, b) for a, b in zip(got, again, strict=True))
+
+
+@pytest.mark.parametrize(("b", "d", "g", "per_block"), [(4, 1536, 0, 12), (4, 1536, 8, 12), (8, 512, 64, 8),
+                                                        (1, 64, 4, 1)])
+def test_the_chunked_backward_workspace_holds_d_B_and_d_C_parts_per_block(b: int, d: int, g: int,
+                                                                           per_block: int) -> None:
+    """The backward's scratch, by the dry run that sizes a Program's workspace, at T = 2048, N = 16: the
+    parts of d_B and d_C per block of ``per_block`` channels ([B, D / per_block, N, T] each; none when a block
+    runs a whole group: it sums into d_B and d_C), d_A's [B, D, N], d_D's and d_delta_bias's [B, D] and the
+    chunks' first states [B, D, 2, N]. Before, the parts were per channel: 2 * B * D * N * T floats (0.8 GB
+    each at B = 4, D = 1536)."""
+    from kiln.cuda._backend import _SizingDevice
+
+    t, n = 2048, 16
+    assert _ops.scan_channels_per_block(b, d, g) == per_block
+    sizing = _SizingDevice(None)
+    bc = (b, g, n, t) if g else (b, n, t)
+    shapes = {"u": (b, d, t), "A": (d, n), "B": bc, "D": (d,), "bias": (d,), "state": (b, d, n)}
+    a = {k: DeviceArray(sizing, 0, v, "float32") for k, v in shapes.items()}
+    outs = [a["u"], a["u"], a["A"], a["B"], a["B"], a["D"], a["u"], a["bias"], a["state"]]
+    _ops.mamba_selective_scan_backward(a["u"], a["u"], a["u"], a["A"], a["B"], a["B"], a["D"], a["u"],
+                                       a["bias"], a["state"], a["state"], out=outs, delta_softplus=True)
+    parts = 0 if per_block == d // (g or 1) else 2 * b * (d // per_block) * n * t
+    assert sizing.high == 4 * (parts + b * d * n + 2 * b * d + b * d * 2 * n)
+    if (b, d) == (4, 1536):
+        assert sizing.high < 2 * b * d * n * t * 4 / 10
+
+
+def test_the_backward_cost_counts_the_parts_of_d_B_and_d_C() -> None:
+    """kiln-core's cost of the scan backward (the roofline's bytes) at B = 4, D = 1536, T = 2048, N = 16:
+    every input read and every gradient written, float32, plus the per-channel parts of d_B and d_C (4
+    bytes per (b, d, n, t) each) written and read back once: they outweigh the rest (B and C serve every
+    channel of their group)."""
+    b, d, t, n = 4, 1536, 2048, 16
+    bdt, dn, bnt, bdn = (b, d, t), (d, n), (b, n, t), (b, d, n)
+    # d_out, u, delta, A, B, C, D, z, delta_bias, ssm_state, d_last_state
+    ins = [bdt, bdt, bdt, dn, bnt, bnt, (d,), bdt, (d,), bdn, bdn]
+    grads = ins[1:]
+    tensors = 4 * sum(np.prod(s) for s in ins + grads)
+    parts = 2 * 2 * 4 * b * d * n * t
+    cost = op_registry().get_op("mamba_selective_scan_backward").cost(ins, {"delta_softplus": True})
+    assert cost.bytes == pytest.approx(tensors + parts)
+    assert parts > 5 * tensors
+
+
 def test_the_kernel_is_chosen_by_sequence_length(emulated: EmulatedDevice,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Short T with N <= 32: the sequential kernel; T >= SCAN_CHUNKED_MIN_T or N > 32: the chunked one."""

@@ -131,13 +131,173 @@ def test_recompute_plans_run_on_the_device_with_the_gradients_of_keeping_all(bun
                 assert np.array_equal(grads[name], want[name]), (recompute, name)
 
 
+def _launches(device: EmulatedDevice, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    names: list[str] = []
+    launch = device.launch
+
+    def record(name: str, *args: object) -> None:
+        names.append(name)
+        launch(name, *args)
+
+    monkeypatch.setattr(device, "launch", record)
+    return names
+
+
+@pytest.mark.parametrize(("shape", "dims", "kernel"), [
+    ((70, 45), (1, 0), "transpose_tiled_b32"),  # ragged tiles both ways
+    ((5, 70, 33), (0, 2, 1), "transpose_tiled_b32"),  # a batch, more tiles than the grid holds (below)
+    ((2, 3, 37, 5), (0, 1, 3, 2), "transpose_tiled_b32"),  # the batch dims merged into one
+    ((2, 5, 7, 11), (0, 2, 3, 1), "transpose_tiled_b32"),  # channels last: a swap of two merged blocks
+    ((3, 37, 5), (2, 1, 0), "strided_copy_b32"),  # the first and last axes: no tile (strided copy)
+    ((2, 3, 37, 5), (0, 2, 1, 3), "strided_copy_b32"),  # rows kept contiguous
+])
+def test_a_swap_of_the_last_two_axes_runs_the_tiled_transpose(emulated: EmulatedDevice,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               shape: tuple[int, ...], dims: tuple[int, ...],
+                                                               kernel: str) -> None:
+    """The kernel chosen for a permutation, and its bits against NumPy's transpose (float32 and bf16: a
+    copy, exact), with a grid of at most 2 blocks along y and z so that the tiled kernel's blocks loop over
+    the rest."""
+    monkeypatch.setattr(_ops, "GRID_YZ", 2)
+    names = _launches(emulated, monkeypatch)
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    half = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns
+    for dtype, bits in (("float32", x.view(np.uint32)), ("bfloat16", half)):
+        names.clear()
+        xd = _on_device(emulated, bits)
+        o = _on_device(emulated, np.zeros(tuple(shape[d] for d in dims), bits.dtype))
+        xd, o = (DeviceArray(emulated, a.ptr, a.shape, dtype) for a in (xd, o))
+        _ops.permute(xd, out=(o,), dims=dims)
+        assert names == [kernel.replace("b32", "b32" if dtype == "float32" else "b16")]
+        emulated.synchronize()
+        got = emulated.copy_to_host(o.ptr, o.nbytes).view(bits.dtype).reshape(o.shape)
+        assert np.array_equal(got, np.transpose(bits, dims))
+
+
+def test_bf16_layout_copies_take_no_widened_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the bf16 recipe the backend hands the layout kernels their bf16 slots as they are
+    (``BF16_READS``): a bf16 transpose, concat, split or broadcast runs the 16-bit copy and takes no
+    workspace; a float32 input into a bf16 output is cast first (its scratch: a bf16 copy of the input)."""
+    from kiln.cuda._backend import _SizingDevice
+
+    for fn in (_ops.transpose, _ops.permute, _ops.concat, _ops.split, _ops.broadcast_to):
+        assert _ops.BF16_READS[fn] is fn
+    sizing = _SizingDevice(None)
+    names: list[str] = []
+    monkeypatch.setattr(sizing, "launch", lambda name, *a: names.append(name))
+
+    def t(shape: tuple[int, ...], dtype: str = "bfloat16") -> DeviceArray:
+        return DeviceArray(sizing, 0, shape, dtype)
+
+    _ops.transpose(t((64, 96)), out=(t((96, 64)),), dim0=0, dim1=1)
+    _ops.concat(t((4, 3)), t((4, 5)), out=(t((4, 8)),), dim=1)
+    _ops.split(t((4, 8)), out=(t((4, 3)), t((4, 5))), sizes=(3, 5), dim=1)
+    _ops.broadcast_to(t((8,)), out=(t((4, 8)),), shape=(4, 8))
+    assert sizing.high == 0
+    assert names == ["transpose_tiled_b16", *["strided_copy_b16"] * 5]  # concat and split: a copy per part
+    names.clear()
+    _ops.concat(t((4, 3), "float32"), t((4, 5)), out=(t((4, 8)),), dim=1)
+    assert names == ["cast_f32_bf16", "strided_copy_b16", "strided_copy_b16"]
+    assert sizing.high == _ops._align(4 * 3 * 2)
+
+
+def test_a_float32_input_concatenated_into_bf16_is_rounded_to_nearest_even(emulated: EmulatedDevice) -> None:
+    """A bf16 slot of concat fed a float32 tensor and a bf16 one: the float32 values rounded as ml_dtypes
+    rounds them (the store into bf16 of the widened path), the bf16 ones copied."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((3, 5)) * 100).astype(np.float32)
+    b = rng.standard_normal((3, 2)).astype(ml_dtypes.bfloat16)
+    ad, bd = _on_device(emulated, a), _on_device(emulated, b.view(np.uint16))
+    o = _on_device(emulated, np.zeros((3, 7), np.uint16))
+    bd, o = (DeviceArray(emulated, d.ptr, d.shape, "bfloat16") for d in (bd, o))
+    _ops.concat(ad, bd, out=(o,), dim=1)
+    emulated.synchronize()
+    got = emulated.copy_to_host(o.ptr, o.nbytes).view(np.uint16).reshape(3, 7)
+    want = np.concatenate([a.astype(ml_dtypes.bfloat16), b], axis=1).view(np.uint16)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_layout_and_reduce_kernels_compile_with_the_launch_layout_and_no_spills(cubins: dict,
+                                                                                arch: str) -> None:
+    from kiln.cuda import _cubin
+    from kiln.cuda._specs import SPECS
+
+    for file in ("layout.cu", "reduce.cu"):
+        cubin = cubins[file, arch]
+        layouts, resources = _cubin.param_layouts(cubin), _cubin.resources(cubin)
+        names = [name for name, spec in SPECS.items() if spec.file == file]
+        assert names
+        for name in names:
+            assert layouts[name] == SPECS[name].layout(), name
+            assert resources[name].local == 0, name
+
+
+@pytest.mark.parametrize(("shape", "axes"), [
+    ((5000, 3), (0,)),  # three columns of 5000: 4 columns a block, 64 rows of threads
+    ((2, 3001, 45), (1,)),  # a ragged second block of columns, two outer indices
+    ((700, 4, 9), (0, 1)),  # two leading axes merged into R = 2800
+])
+@pytest.mark.parametrize("op", ["reduce_sum", "reduce_mean", "reduce_max"])
+def test_long_columns_of_few_outputs_split_over_a_block(emulated: EmulatedDevice,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        shape: tuple[int, ...], axes: tuple[int, ...],
+                                                        op: str) -> None:
+    """A reduction over leading axes with few outputs and long columns runs ``reduce_cols_split_f32`` (rows of
+    threads each folding every ``blockDim.y``-th row of its column, then a fixed tree), against NumPy in
+    float64: the max exactly; the sum (and the mean, the sum over R) within the float32 bound of the order it
+    runs, (R / rows + log2(rows) + 1) * 2^-24 * sum |x| per column (rows: the block's rows of threads), with
+    the same bits on a second run; and with an outer index looped over by a grid of at most 2 blocks in y."""
+    monkeypatch.setattr(_ops, "GRID_YZ", 2)
+    names = _launches(emulated, monkeypatch)
+    x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+    r = int(np.prod([shape[a] for a in axes]))
+    out_shape = tuple(n for i, n in enumerate(shape) if i not in axes)
+    xd = _on_device(emulated, x)
+    runs = []
+    for _ in range(2):
+        o = _on_device(emulated, np.full(out_shape, np.nan, np.float32))
+        KERNELS[op][0](xd, out=(o,), axes=axes)
+        runs.append(_host(o))
+    assert names == ["reduce_cols_split_f32"] * 2
+    assert np.array_equal(runs[0].view(np.uint32), runs[1].view(np.uint32))
+    x64 = x.astype(np.float64)
+    if op == "reduce_max":
+        assert np.array_equal(runs[0], x.max(axis=axes))
+        return
+    inner = int(np.prod(shape[axes[-1] + 1:]))
+    rows = _ops.COL_THREADS // min(32, 1 << (inner - 1).bit_length())
+    bound = (r / rows + np.log2(rows) + 1) * 2.0 ** -24 * np.abs(x64).sum(axis=axes)
+    want = x64.sum(axis=axes)
+    if op == "reduce_mean":
+        want, bound = want / r, bound / r + np.abs(want / r) * 2.0 ** -24  # and the division's rounding
+    assert np.all(np.abs(runs[0] - want) <= bound)
+
+
+def test_short_or_many_columns_keep_a_thread_per_output(emulated: EmulatedDevice,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Columns shorter than COL_SPLIT_R, or as many outputs as COL_SPLIT_OUTPUTS, run a thread per output."""
+    names = _launches(emulated, monkeypatch)
+    monkeypatch.setattr(_ops, "COL_SPLIT_OUTPUTS", 64)
+    for shape in ((_ops.COL_SPLIT_R - 1, 3), (300, 64), (300, 63)):
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        o = _on_device(emulated, np.zeros(shape[1], np.float32))
+        KERNELS["reduce_sum"][0](_on_device(emulated, x), out=(o,), axes=(0,))
+        assert np.allclose(_host(o), x.astype(np.float64).sum(0), rtol=0, atol=1e-4)
+    assert names == ["reduce_cols_f32", "reduce_cols_f32", "reduce_cols_split_f32"]
+
+
 def test_bad_layout_input_names_the_culprit(emulated: EmulatedDevice) -> None:
     x = _on_device(emulated, np.zeros((3, 4), np.float32))
     with pytest.raises(KilnError, match=r"'split' on cuda: sizes \[1, 2\] do not split dim -1 of \(3, 4\)"):
         _ops.split(x, out=(x, x), sizes=(1, 2))
-    half = DeviceArray(emulated, x.ptr, (3, 4), "bfloat16")
-    with pytest.raises(KilnError, match=r"copy 32-bit elements .* found a bfloat16 tensor"):
-        _ops.transpose(half, out=(DeviceArray(emulated, x.ptr, (4, 3), "bfloat16"),), dim0=0, dim1=1)
+    double = DeviceArray(emulated, x.ptr, (3, 2), "float64")
+    with pytest.raises(KilnError, match=r"copy 32-bit elements .* or 16-bit ones .*; found a float64 tensor"):
+        _ops.transpose(double, out=(DeviceArray(emulated, x.ptr, (2, 3), "float64"),), dim0=0, dim1=1)
+    half = DeviceArray(emulated, x.ptr, (4, 3), "bfloat16")
+    with pytest.raises(KilnError, match=r"found a int32 tensor \(3, 4\) copied to a bfloat16 tensor"):
+        _ops.transpose(DeviceArray(emulated, x.ptr, (3, 4), "int32"), out=(half,), dim0=0, dim1=1)
     wide = DeviceArray(emulated, x.ptr, (2, 3, 5), "float32")
     culprit = r"op 'broadcast_to' on cuda: \(3, 4\) does not broadcast to \(2, 3, 5\)"
     with pytest.raises(KilnError, match=culprit):

@@ -5,9 +5,13 @@ from importlib.metadata import version
 from kiln.cuda._backend import CudaBackend
 from kiln.cuda._emulate import EmulatedCuda, EmulatedDevice
 from kiln.cuda._nvrtc import compile_cubin
+from kiln.cuda._ops import THREADS, DeviceArray, Scratch, norm_into
 from kiln.cuda._plugin import cuda_available, unavailable_reason
 
 __version__ = version("kiln-kernels-cuda")
 
-__all__ = ["CudaBackend", "EmulatedCuda", "EmulatedDevice", "__version__", "compile_cubin", "cuda_available",
-           "unavailable_reason"]
+#: ``DeviceArray`` (a tensor's view of device memory), ``Scratch`` (a step's workspace, as its launch
+#: functions take temporaries), ``norm_into`` (sums of squares into a device scalar) and ``THREADS`` (the
+#: block size of the elementwise kernels): what other packages' kernels for ``cuda`` build on (kiln-dist's)
+__all__ = ["THREADS", "CudaBackend", "DeviceArray", "EmulatedCuda", "EmulatedDevice", "Scratch",
+           "__version__", "compile_cubin", "cuda_available", "norm_into", "unavailable_reason"]

@@ -24,11 +24,12 @@ from kiln.cuda._ops import (
     ALIGN,
     BF16_KERNELS,
     BF16_OPERANDS,
+    BF16_READS,
     SCALARS,
     AdamwGroup,
     DeviceArray,
+    Scratch,
     Workspace,
-    _Scratch,
     adamw_update,
     as_dtype,
     cast,
@@ -123,6 +124,7 @@ class CudaBackend:
 
     def write(self, buffer: DeviceBuffer, offset: int, value: np.ndarray) -> None:
         self.gpu.copy_to_device(buffer.ptr + offset, value)
+        note_host_write(self.gpu)
 
     def compile(self, program: Program, buffer: DeviceBuffer, kernels: Any) -> CudaExecutable:
         return CudaExecutable(self, program, buffer, kernels)
@@ -143,6 +145,13 @@ class CudaBackend:
                 dev.free(ws.base)
             dev.workspace = ws = Workspace(dev.alloc(nbytes), nbytes)
         return ws
+
+
+def note_host_write(dev: Any) -> None:
+    """Count a host write into a Program's tensors on ``dev`` (its ``host_writes``): kiln-dist's
+    overlapped wait so knows, without reading anything back, whether the gradients a collective started
+    with may have changed since (the Program's own steps never write them after the start)."""
+    dev.host_writes = getattr(dev, "host_writes", 0) + 1
 
 
 class UnavailableBackend:
@@ -334,6 +343,7 @@ class CudaExecutable:
     def write(self, name: str, value: Any) -> None:
         a = self.arrays[name]
         v = np.ascontiguousarray(np.asarray(value).astype(np_dtype(a.dtype)).reshape(a.shape))
+        note_host_write(self.dev)
         if name in self.on_host:
             self.dev.synchronize()
             ctypes.memmove(a.ptr, v.ctypes.data, a.nbytes)
@@ -638,28 +648,36 @@ def low_precision(program: Program, step: Step, opdef: Any, kernel: Callable[...
     first, the float32 kernel run, each output the Program lists in ``rounded`` rounded to bf16, and
     stored in its slot's dtype (a bf16 slot: the cast kernel, round to nearest even). A kernel of its
     own for bf16 (``kiln.cuda._ops.BF16_KERNELS``: attention on tensor cores) reads and writes the
-    slots as they are."""
+    slots as they are; a float32 kernel with a twin that reads bf16 directly (``BF16_READS``: the
+    norms, add and mul, gelu, the layout copies) runs the twin on the bf16 slots as they are, with no
+    widened copies."""
     ins, outs = list(inputs), list(outputs)
     if kernel in BF16_KERNELS.values():
         return lambda: kernel(*ins, out=outs, **kw)
+    direct = BF16_READS.get(kernel)
+    if direct is not None:
+        kernel = direct
     lower = _computes_low(program, step, opdef)
     rounded = [bool(k) and k in program.rounded for k in step.outputs]
     dev = next(a.device for a in (*ins, *outs) if a is not None)
     operands = 2 if lower and step.op.type in BF16_OPERANDS else 0  # a matmul's a and b, as bf16
 
-    def read(s: _Scratch, i: int, a: DeviceArray | None) -> DeviceArray | None:
+    def read(s: Scratch, i: int, a: DeviceArray | None) -> DeviceArray | None:
         if a is None or a.dtype not in FLOATS:
             return a
         if i < operands:
             return as_dtype(s, a, "bfloat16")
         if lower and a.dtype == "float32":
             return round_bf16(s, a)
+        if direct is not None:  # it reads a bf16 tensor as it is
+            return a
         return as_dtype(s, a, "float32")
 
     def run() -> None:
-        with _Scratch(dev) as s:
+        with Scratch(dev) as s:
             xs = [read(s, i, a) for i, a in enumerate(ins)]
-            ys = [None if o is None else o if o.dtype != "bfloat16" else s.array(o.shape) for o in outs]
+            ys = [o if o is None or o.dtype != "bfloat16" or direct is not None else s.array(o.shape)
+                  for o in outs]
             kernel(*xs, out=ys, **kw)
             for o, y, rnd in zip(outs, ys, rounded, strict=True):
                 if o is None or y is None:

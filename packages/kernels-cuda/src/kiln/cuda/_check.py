@@ -53,6 +53,11 @@ def _ln_bwd(r: np.random.Generator, shape: tuple[int, ...]) -> tuple[tuple[Any, 
             _n(r, *shape[:-1]), _n(r, *shape[:-1], s=0.1)), {}
 
 
+def _mean_backward_f32(d: np.ndarray, **attrs: Any) -> list[np.ndarray]:
+    """``reduce_mean_backward``'s NumPy kernel on the float32 values (given as float64): its bits."""
+    return [op_registry().get_op("reduce_mean_backward").kernel(d.astype(np.float32), **attrs)]
+
+
 def _cases() -> Iterator[Case]:
     def c(id: str, op: str, build: Build, atol: float = 1e-5) -> Case:
         return Case(id, op, build, atol)
@@ -703,7 +708,9 @@ def _coverage_cases() -> Iterator[Case]:
                 tuple(n for i, n in enumerate(s) if i not in red)
             return (_n(r, *d),), {"shape": s, "axes": a, "keepdims": k}
 
-        yield c(f"reduce_mean_backward-{name}", "reduce_mean_backward", mean_bwd, 1e-6)
+        # against the NumPy kernel in float32 (d / count, one rounding): the same bits
+        yield Case(f"reduce_mean_backward-{name}", "reduce_mean_backward", mean_bwd, 0.0,
+                   launch=KERNELS["reduce_mean_backward"][0], reference=_mean_backward_f32)
 
         def max_bwd(r: np.random.Generator, s: tuple[int, ...] = shape, a: tuple[int, ...] = axes,
                     k: bool = keep) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -729,6 +736,29 @@ def _coverage_cases() -> Iterator[Case]:
     yield c("broadcast_to-ones", "broadcast_to", lambda r: ((_n(r, 3, 1),), {"shape": (2, 3, 37)}), 0.0)
     yield c("broadcast_to-axes", "broadcast_to",
             lambda r: ((_n(r, 2, 37),), {"shape": (2, 3, 37), "axes": (1,)}), 0.0)
+    # the last two axes swapped: the tiled transpose (32 x 32 tiles), ragged edges, a batch of tiles
+    yield c("transpose-last-two", "transpose", lambda r: ((_n(r, 3, 70, 45),), {"dim0": -1, "dim1": -2}), 0.0)
+    yield c("permute-to-channels-last", "permute",
+            lambda r: ((_n(r, 2, 5, 7, 11),), {"dims": (0, 2, 3, 1)}), 0.0)
+    yield c("transpose-last-two-int32", "transpose",
+            lambda r: ((r.integers(-9, 9, (33, 65)).astype(np.int32),), {"dim0": 0, "dim1": 1}), 0.0)
+    # bf16 tensors under the bf16 recipe: 16-bit copies, the same bits (split's later parts are float32 here:
+    # the bf16 part widened exactly)
+    for id_, op, build in (
+            ("transpose-bf16", "transpose", lambda r: ((_n(r, 3, 37, 5),), {"dim0": 0, "dim1": -1})),
+            ("transpose-last-two-bf16", "transpose", lambda r: ((_n(r, 2, 33, 70),), {"dim0": 1, "dim1": 2})),
+            ("permute-bf16", "permute", lambda r: ((_n(r, 2, 3, 1, 37),), {"dims": (0, -2, 3, 1)})),
+            ("concat-bf16", "concat", lambda r: ((_n(r, 3, 2), _n(r, 3, 37), _n(r, 3, 1)), {"dim": -1})),
+            ("split-bf16", "split", lambda r: ((_n(r, 5, 2, 33),), {"sizes": (3, 2), "dim": 0})),
+            ("broadcast_to-bf16", "broadcast_to",
+             lambda r: ((_n(r, 2, 37),), {"shape": (2, 3, 37), "axes": (1,)}))):
+        opdef = op_registry().get_op(op)
+
+        def reference(*a: Any, opdef: Any = opdef, **k: Any) -> Any:
+            return opdef.kernel(*a, **{x.name: k.get(x.name, None if x.required else x.default)
+                                       for x in opdef.attrs})
+
+        yield Case(id_, op, build, 0.0, KERNELS[op][0], reference, True)
 
 
 CASES |= {case.id: case for case in _coverage_cases()}
@@ -738,9 +768,13 @@ def _fused_head_cases() -> Iterator[Case]:
     """The LM head's fused training pass (``kiln.cuda._ops.FUSIONS``, outside the kernel table) against the
     NumPy backend's fused pass in float64, and under the bf16 recipe against NumPy's bf16 kernels of the two
     steps it replaces; 37 rows, a vocabulary of 301, ignored rows."""
-    from kiln.core.backends.numpy import _precision as np_bf16
-    from kiln.core.ops.library._loss import fused_lm_head_loss_and_grad as numpy_fused
+    from kiln.core.plugins import get_registry
     from kiln.cuda import _ops
+
+    table = get_registry("kernels")  # NumPy's kernels as the kernel table gives them: float64, and bf16's
+    numpy_fused = table.find("fused_lm_head_loss_and_grad", "numpy", "float64").fn
+    head_bf16 = table.find("fused_lm_head_loss", "numpy", "bfloat16").fn
+    head_backward_bf16 = table.find("fused_lm_head_loss_backward", "numpy", "bfloat16").fn
 
     def launch(fn: Callable[..., None]) -> Callable[..., None]:
         def run(d_loss: Any, x: Any, w: Any, t: Any, *, out: Any, **a: Any) -> None:
@@ -757,9 +791,8 @@ def _fused_head_cases() -> Iterator[Case]:
     def two_steps_bf16(d_loss: Any, x: Any, w: Any, t: Any, *, ignore_index: int) -> list[np.ndarray]:
         a = {"ignore_index": ignore_index, "chunk_size": 64, "softcap": None}
         x, w = x.astype(np.float32), w.astype(np.float32)
-        loss, lse = np_bf16.fused_lm_head_loss_bf16(x, w, t, **a)
-        return [loss, lse, *np_bf16.fused_lm_head_loss_backward_bf16(d_loss.astype(np.float32), x, w, t, lse,
-                                                                     None, **a)]
+        loss, lse = head_bf16(x, w, t, **a)
+        return [loss, lse, *head_backward_bf16(d_loss.astype(np.float32), x, w, t, lse, None, **a)]
 
     def build(r: np.random.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
         t = r.integers(0, 301, 37).astype(np.int32)

@@ -93,7 +93,7 @@ def _align(n: int) -> int:
 
 
 class Workspace:
-    """One device allocation the kernels' temporaries are carved from (a stack: :class:`_Scratch` takes
+    """One device allocation the kernels' temporaries are carved from (a stack: :class:`Scratch` takes
     slices and gives them back on exit). The backend sizes it when it compiles a Program, by a dry run of
     every step (:func:`kiln.cuda._backend.scratch_bytes`), so a training step allocates no memory (and a
     CUDA graph can capture it). A slice that does not fit falls back to an allocation, counted in
@@ -112,7 +112,7 @@ class Workspace:
         return self.base + start
 
 
-class _Scratch:
+class Scratch:
     """Device memory standing in for outputs nothing reads (None in ``out``) and kernels' temporaries:
     slices of the device's workspace when it has one, else allocations; released on exit."""
 
@@ -121,7 +121,7 @@ class _Scratch:
         self.workspace: Workspace | None = getattr(device, "workspace", None)
         self.mark = self.workspace.top if self.workspace is not None else 0
 
-    def __enter__(self) -> _Scratch:
+    def __enter__(self) -> Scratch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -247,7 +247,7 @@ def cast_op(x: DeviceArray, *, out: Sequence[DeviceArray], dtype: str) -> None:
     if dtype != "bf16":
         raise KilnError(f"op 'cast' to {dtype!r} on cuda: kiln.cuda casts to fp32 and bf16",
                         hint="fp16, fp8 and fp4 casts run on the numpy backend")
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         round_bf16(s, x, into=o)
 
 
@@ -292,25 +292,37 @@ def swiglu_backward(d: DeviceArray, x: DeviceArray, *, out: Sequence[DeviceArray
 
 def swiglu_bf16(x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
     """``swiglu`` under the bf16 recipe (``swiglu@cuda:bfloat16``), rounding inside the op where NumPy's
-    ``swiglu@numpy:bfloat16`` does: ``x`` read as fp32, ``out`` stored in its slot's dtype."""
+    ``swiglu@numpy:bfloat16`` does: a bf16 ``x`` read and ``out`` written as bf16 directly
+    (``swiglu_rp_bf16io``), a float32 one through ``swiglu_rp_bf16``; ``out`` stored in its slot's dtype."""
     m = x.shape[-1] // 2
     rows = x.size // max(x.shape[-1], 1)
-    with _Scratch(x.device) as s:
-        x32 = as_dtype(s, x, "float32")
-        ys, store = _bf16_outputs(s, out, ("float32",))
-        x.device.launch("swiglu_rp_bf16", ew_grid(rows * m), (THREADS,), (x32.ptr, ys[0].ptr, rows, m))
+    io = x.dtype == "bfloat16"
+    with Scratch(x.device) as s:
+        xs = as_dtype(s, x, x.dtype if io else "float32")
+        ys, store = _bf16_outputs(s, out, (x.dtype if io else "float32",))
+        assert xs is not None and ys[0] is not None
+        x.device.launch("swiglu_rp_bf16io" if io else "swiglu_rp_bf16", ew_grid(rows * m), (THREADS,),
+                        (xs.ptr, ys[0].ptr, rows, m))
         store()
 
 
 def swiglu_backward_bf16(d: DeviceArray, x: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
-    """Its backward with NumPy's ``swiglu_backward@numpy:bfloat16`` rounding points."""
+    """Its backward with NumPy's ``swiglu_backward@numpy:bfloat16`` rounding points: bf16 ``d`` and ``x``
+    read and ``d_x`` written as bf16 directly (``swiglu_backward_rp_bf16io``); a bf16 ``x`` with a float32
+    ``d`` read as they are, ``d_x`` in float32 (``swiglu_backward_rp_bf16x``); else all as float32."""
     m = x.shape[-1] // 2
     rows = x.size // max(x.shape[-1], 1)
-    with _Scratch(x.device) as s:
-        d32, x32 = as_dtype(s, d, "float32"), as_dtype(s, x, "float32")
-        ys, store = _bf16_outputs(s, out, ("float32",))
-        x.device.launch("swiglu_backward_rp_bf16", ew_grid(rows * m), (THREADS,),
-                        (d32.ptr, x32.ptr, ys[0].ptr, rows, m))
+    bx = x.dtype == "bfloat16"
+    kernel, dt, xt = ("swiglu_backward_rp_bf16", "float32", "float32")
+    if bx and d.dtype == "bfloat16":
+        kernel, dt, xt = "swiglu_backward_rp_bf16io", "bfloat16", "bfloat16"
+    elif bx and d.dtype == "float32":
+        kernel, xt = "swiglu_backward_rp_bf16x", "bfloat16"
+    with Scratch(x.device) as s:
+        ds, xs = as_dtype(s, d, dt), as_dtype(s, x, xt)
+        ys, store = _bf16_outputs(s, out, (dt,))
+        assert ds is not None and xs is not None and ys[0] is not None
+        x.device.launch(kernel, ew_grid(rows * m), (THREADS,), (ds.ptr, xs.ptr, ys[0].ptr, rows, m))
         store()
 
 
@@ -354,7 +366,7 @@ def rmsnorm(x: DeviceArray, weight: DeviceArray, *, out: Sequence[DeviceArray | 
     _f32(x, weight)
     c = x.shape[-1]
     rows = x.size // c
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         y, rstd = s.out(out[0], x.shape), s.out(out[1], x.shape[:-1])
         if rows:
             x.device.launch("rmsnorm_f32", (rows,), row_block(c),
@@ -366,7 +378,7 @@ def fused_residual_rmsnorm(residual: DeviceArray, x: DeviceArray, weight: Device
     _f32(residual, x, weight)
     c = x.shape[-1]
     rows = x.size // c
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         res, y, rstd = s.out(out[0], x.shape), s.out(out[1], x.shape), s.out(out[2], x.shape[:-1])
         if rows:
             x.device.launch("fused_residual_rmsnorm_f32", (rows,), row_block(c),
@@ -393,7 +405,7 @@ def _rms_grads(d_y: DeviceArray | None, x: DeviceArray, rstd: DeviceArray, weigh
 
 def rmsnorm_backward(d_y: DeviceArray | None, x: DeviceArray, rstd: DeviceArray, weight: DeviceArray,
                      d_rstd: DeviceArray | None = None, *, out: Sequence[DeviceArray | None]) -> None:
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         _rms_grads(d_y, x, rstd, weight, d_rstd, None, s.out(out[0], x.shape), out[1])
 
 
@@ -402,7 +414,7 @@ def fused_residual_rmsnorm_backward(d_y: DeviceArray | None, d_residual_out: Dev
                                     d_rstd: DeviceArray | None = None, *,
                                     out: Sequence[DeviceArray | None]) -> None:
     d_residual, d_x, d_w = out
-    with _Scratch(residual_out.device) as s:
+    with Scratch(residual_out.device) as s:
         first = d_residual if d_residual is not None else s.out(d_x, residual_out.shape)
         _rms_grads(d_y, residual_out, rstd, weight, d_rstd, d_residual_out, first, d_w)
         if d_residual is not None and d_x is not None:
@@ -417,7 +429,7 @@ def cross_entropy(logits: DeviceArray, targets: DeviceArray, *, out: Sequence[De
     _f32(logits)
     _i32(targets, "targets")
     n, v = logits.shape
-    with _Scratch(logits.device) as s:
+    with Scratch(logits.device) as s:
         loss, lse = s.out(out[0], (n,)), s.out(out[1], (n,))
         if n:
             logits.device.launch("cross_entropy_f32", (n,), row_block(v),
@@ -490,7 +502,7 @@ def rope_freqs(*, out: Sequence[DeviceArray], rows: int, rotary_dim: int, theta:
     _f32(o)
     inv, attention = rope_inv_freq(rotary_dim, theta, rope_type, seq_len=rows, **scaling)
     half = rotary_dim // 2
-    with _Scratch(o.device) as s:
+    with Scratch(o.device) as s:
         table = s.array((half,))
         o.device.copy_to_device(table.ptr, np.ascontiguousarray(inv, np.float32))
         if rows and half:
@@ -539,7 +551,7 @@ def layernorm(x: DeviceArray, weight: DeviceArray, bias: DeviceArray | None = No
     _f32(x, weight, bias)
     c = x.shape[-1]
     rows = x.size // c
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         y, mean, rstd = s.out(out[0], x.shape), s.out(out[1], x.shape[:-1]), s.out(out[2], x.shape[:-1])
         if rows:
             x.device.launch("layernorm_f32", (rows,), row_block(c),
@@ -553,7 +565,7 @@ def layernorm_backward(d_y: DeviceArray | None, x: DeviceArray, mean: DeviceArra
     _f32(d_y, x, mean, rstd, weight, d_mean, d_rstd)
     dev, c = x.device, x.shape[-1]
     rows = x.size // c
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         d_x, d_w = s.out(out[0], x.shape), s.out(out[1], weight.shape)
         d_b = out[2]
         if d_y is None or not rows:
@@ -604,7 +616,7 @@ def fused_lm_head_loss(x: DeviceArray, weight: DeviceArray, targets: DeviceArray
     cross-entropy kernel reduces whole rows)."""
     _f32(x, weight)
     n, v = x.shape[0], weight.shape[0]
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         loss, lse = s.out(out[0], (n,)), s.out(out[1], (n,))
         tiles = _head_tiles(n, v)
         buf = s.array((tiles[0][1], v)) if n else None
@@ -626,7 +638,7 @@ def fused_lm_head_loss_backward(d_loss: DeviceArray | None, x: DeviceArray, weig
     _f32(d_loss, x, weight, lse, d_lse)
     n, v = x.shape[0], weight.shape[0]
     d_x, d_w = out
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         tiles = _head_tiles(n, v)
         zbuf = s.array((tiles[0][1], v)) if n else None
         gbuf = s.array((tiles[0][1], v)) if n and softcap is not None else zbuf
@@ -672,7 +684,7 @@ def fused_lm_head_loss_and_grad(d_loss: DeviceArray | None, x: DeviceArray, weig
     _i32(targets, "targets")
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         loss_, lse_ = s.out(loss, (n,)), s.out(lse, (n,))
         tiles = _head_tiles(n, v)
         buf = s.array((tiles[0][1], v)) if n else None
@@ -735,7 +747,7 @@ def flash_attention(qkv: DeviceArray, segment_ids: DeviceArray | None = None, *,
     _f32(qkv)
     b, t = _heads(qkv, Hq, Hkv, D, op)
     scale = D**-0.5 if softmax_scale is None else softmax_scale
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         o, lse = s.out(out[0], (b, t, Hq * D)), s.out(out[1], (b, Hq, t))
         if b and t:
             qkv.device.launch("flash_attention_f32", (t, Hq, b), (32,),
@@ -756,7 +768,7 @@ def flash_attention_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: Dev
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     geometry = (t, Hq, Hkv, D, int(causal), _window(window_size, op), scale, _softcap(softcap, op),
                 int(alibi))
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         d_qkv, shift = s.out(out[0], qkv.shape), s.array((b, Hq, t))
         if b and t:
             seg = _segments(segment_ids)
@@ -805,7 +817,7 @@ def attention(q: DeviceArray, k: DeviceArray, v: DeviceArray, segment_ids: Devic
     _f32(q, k, v)
     op = "attention"
     b, tq, tk, hq, hkv, d = _separate_heads(q, k, v, segment_ids, op)
-    with _Scratch(q.device) as s:
+    with Scratch(q.device) as s:
         o, lse = s.out(out[0], q.shape), s.out(out[1], (b, hq, tq))
         if b and tq:
             q.device.launch("attention_f32", (tq, hq, b), (32,),
@@ -822,7 +834,7 @@ def attention_backward(d_out: DeviceArray | None, q: DeviceArray, k: DeviceArray
     op = "attention_backward"
     b, tq, tk, hq, hkv, d = _separate_heads(q, k, v, segment_ids, op)
     geometry = _attention_geometry(op, tq, tk, hq, hkv, d, **attrs)
-    with _Scratch(q.device) as s:
+    with Scratch(q.device) as s:
         dq, dk, dv = s.out(out[0], q.shape), s.out(out[1], k.shape), s.out(out[2], v.shape)
         shift = s.array((b, hq, tq))
         seg = _segments(segment_ids)
@@ -882,7 +894,7 @@ def flash_attention_mma(qkv: DeviceArray, segment_ids: DeviceArray | None = None
     _f32(out[1])
     suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, "flash_attention", Hq, Hkv, D, causal,
                                          softmax_scale, window_size, softcap, alibi, tensor_cores)
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         o, lse = s.out(out[0], (b, t, Hq * D), "bfloat16"), s.out(out[1], (b, Hq, t))
         if b and t:
             qkv.device.launch(f"flash_attention_{suffix}", (cdiv(t, MMA_ROWS), Hq, b), (MMA_THREADS,),
@@ -903,7 +915,7 @@ def flash_attention_mma_backward(d_out: DeviceArray | None, qkv: DeviceArray, o:
     _f32(lse, d_lse)
     suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, op, Hq, Hkv, D, causal, softmax_scale, window_size,
                                          softcap, alibi, tensor_cores)
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         d_qkv, shift = s.out(out[0], qkv.shape, "bfloat16"), s.array((b, Hq, t))
         if b and t:
             seg = _segments(segment_ids)
@@ -950,7 +962,7 @@ def mamba_conv1d_backward(d_y: DeviceArray | None, x: DeviceArray, weight: Devic
     _f32(d_y, x, weight, bias, conv_state, d_final_states)
     b, d, t, k = _conv_dims(x, weight, "mamba_conv1d_backward")
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         g = s.array(x.shape)
         d_x, d_w = s.out(out[0], x.shape), s.out(out[1], weight.shape)
         d_b = out[2] if len(out) > 2 else None
@@ -976,6 +988,10 @@ SCAN_WARPS = 4
 SCAN_ITEMS = 8
 SCAN_CHUNK_THREADS = 128
 SCAN_MAX_N = 256
+#: the chunked backward's blocks run several channels of a group one after another (summing their parts of d_B
+#: and d_C in the block, so the scratch for those parts shrinks by that factor) while at least this many
+#: blocks remain: four blocks of 128 threads on each of an H100's 132 SMs (an estimate, untimed)
+SCAN_MIN_BLOCKS = 512
 #: sequences shorter than this (with N <= 32) run the sequential kernel, a warp per channel: below a chunk
 #: of a single warp its T steps cost less than the chunked kernel's N block scans (an estimate, untimed)
 SCAN_CHUNKED_MIN_T = 128
@@ -1008,6 +1024,15 @@ def scan_threads(t: int) -> int:
     return min(SCAN_CHUNK_THREADS, max(32, cdiv(cdiv(t, SCAN_ITEMS), 32) * 32))
 
 
+def scan_channels_per_block(b: int, d: int, g: int) -> int:
+    """Channels a block of the chunked backward runs one after another, for B = ``b``, D = ``d`` and G = ``g``
+    groups (0: one): the largest divisor of a group's channels that leaves at least SCAN_MIN_BLOCKS blocks (at
+    least 1). Its parts of d_B and d_C take ``2 * b * (d // per_block) * n * t`` floats of scratch, none when
+    a block runs a whole group (its slices are d_B and d_C)."""
+    per, most = d // (g or 1), max(1, b * d // SCAN_MIN_BLOCKS)
+    return max(p for p in range(1, min(per, most) + 1) if per % p == 0)
+
+
 def mamba_selective_scan(u: DeviceArray, delta: DeviceArray, A: DeviceArray, B: DeviceArray, C: DeviceArray,
                          D: DeviceArray | None = None, z: DeviceArray | None = None,
                          delta_bias: DeviceArray | None = None, ssm_state: DeviceArray | None = None, *,
@@ -1019,7 +1044,7 @@ def mamba_selective_scan(u: DeviceArray, delta: DeviceArray, A: DeviceArray, B: 
     _f32(u, delta, A, B, C, D, z, delta_bias, ssm_state)
     b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan")
     last = out[1] if return_last_state and len(out) > 1 else None
-    with _Scratch(u.device) as s:
+    with Scratch(u.device) as s:
         y = s.out(out[0], u.shape)
         ins = (u.ptr, delta.ptr, A.ptr, B.ptr, C.ptr, _ptr(D), _ptr(z), _ptr(delta_bias), _ptr(ssm_state),
                y.ptr, _ptr(last))
@@ -1041,17 +1066,23 @@ def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, del
                                   out: Sequence[DeviceArray | None], delta_softplus: bool = False) -> None:
     """Sequential (short T): the forward replayed per channel (its states in the workspace: [B, D, T, N]),
     the scan in reverse. Chunked (long T): the chunked forward keeps only each chunk's first state ([B, D,
-    chunks, N]); the backward kernel replays a chunk from it and scans it in reverse, from the last chunk.
-    Then ordered sums: d_A, d_D, d_delta_bias over the batch, d_B and d_C over a group's channels."""
+    chunks, N]); the backward kernel replays a chunk from it and scans it in reverse, from the last chunk, a
+    block running :func:`scan_channels_per_block` channels and summing their parts of d_B and d_C in order
+    ([B, D / per_block, N, T]). Then ordered sums: d_A, d_D, d_delta_bias over the batch, d_B and d_C over a
+    group's channels (or its blocks' slices; none when a block ran the whole group)."""
     _f32(d_out, u, delta, A, B, C, D, z, delta_bias, ssm_state, d_last_state)
     b, d, t, n, g = _scan_dims(u, A, B, "mamba_selective_scan_backward")
     dev, chunked = u.device, scan_chunked(t, n)
-    with _Scratch(dev) as s:
-        p_b, p_c, p_a, p_d, p_db = (s.array((b, d, n, t) if chunked else (b, d, t, n)),
-                                    s.array((b, d, n, t) if chunked else (b, d, t, n)), s.array((b, d, n)),
-                                    s.array((b, d)), s.array((b, d)))
+    with Scratch(dev) as s:
         d_u, d_delta, d_a, d_b, d_c = (s.out(out[0], u.shape), s.out(out[1], u.shape), s.out(out[2], A.shape),
                                        s.out(out[3], B.shape), s.out(out[4], C.shape))
+        per_block = scan_channels_per_block(b, d, g) if chunked else 1
+        slots = d // per_block  # d_B's and d_C's parts per batch row
+        if chunked and slots == (g or 1):  # a block per group: its slices are the gradients
+            p_b, p_c = d_b, d_c
+        else:
+            p_b, p_c = (s.array((b, slots, n, t) if chunked else (b, d, t, n)) for _ in "bc")
+        p_a, p_d, p_db = s.array((b, d, n)), s.array((b, d)), s.array((b, d))
         d_dv, d_z, d_db = (s.out(out[i], shape) for i, shape in ((5, (d,)), (6, u.shape), (7, (d,))))
         d_state = out[8] if len(out) > 8 else None
         if not b * d:
@@ -1064,8 +1095,8 @@ def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, del
             states = s.array((b, d, cdiv(t, threads * SCAN_ITEMS), n))
             dev.launch("mamba_scan_chunked_f32", (b * d,), (threads,),
                        (*ins, _ptr(ssm_state), 0, 0, states.ptr, *dims))
-            dev.launch("mamba_scan_chunked_backward_f32", (b * d,), (threads,),
-                       (_ptr(d_out), *ins, states.ptr, _ptr(d_last_state), *grads, *dims))
+            dev.launch("mamba_scan_chunked_backward_f32", (b * slots,), (threads,),
+                       (_ptr(d_out), *ins, states.ptr, _ptr(d_last_state), *grads, *dims, per_block))
         else:
             h, y = s.array((b, d, t, n)), s.array(u.shape)
             dev.launch("mamba_scan_backward_f32", (cdiv(b * d, SCAN_WARPS),), (32 * SCAN_WARPS,),
@@ -1073,15 +1104,15 @@ def mamba_selective_scan_backward(d_out: DeviceArray | None, u: DeviceArray, del
         for part, dst, size in ((p_a, d_a, d * n), (p_d, d_dv, d), (p_db, d_db, d)):
             dev.launch("mamba_sum_batch_f32", ew_grid(size), (THREADS,), (part.ptr, dst.ptr, b, size))
         for part, dst in ((p_b, d_b), (p_c, d_c)):
-            if dst.size:
+            if dst.size and part is not dst:
                 dev.launch("mamba_sum_group_f32", ew_grid(dst.size), (THREADS,),
-                           (part.ptr, dst.ptr, b, d, t, n, g, int(chunked)))
+                           (part.ptr, dst.ptr, b, slots, t, n, g, int(chunked)))
 
 
 # --- the bf16 precision recipe ---------------------------------------------------------------------
 
 
-def as_dtype(s: _Scratch, a: DeviceArray | None, dtype: str) -> DeviceArray | None:
+def as_dtype(s: Scratch, a: DeviceArray | None, dtype: str) -> DeviceArray | None:
     """``a`` as ``dtype`` (``float32`` or ``bfloat16``): itself, or a cast of it in scratch (float32 to
     bfloat16 rounds to nearest even: the rounding of a ``lower`` op's input)."""
     if a is None or a.dtype == dtype:
@@ -1091,16 +1122,17 @@ def as_dtype(s: _Scratch, a: DeviceArray | None, dtype: str) -> DeviceArray | No
     return t
 
 
-def round_bf16(s: _Scratch, a: DeviceArray, into: DeviceArray | None = None) -> DeviceArray:
-    """float32 ``a`` rounded to bfloat16 values, kept as float32 (in ``into``, else in scratch)."""
-    b = s.array(a.shape, "bfloat16")
-    cast(a, out=[b])
+def round_bf16(s: Scratch, a: DeviceArray, into: DeviceArray | None = None) -> DeviceArray:
+    """float32 ``a`` rounded to bfloat16 values, kept as float32 (in ``into``, else in scratch): one kernel,
+    no bf16 copy in between."""
+    _f32(a)
     f = into if into is not None else s.array(a.shape)
-    cast(b, out=[f])
+    if a.size:
+        a.device.launch("round_f32_bf16", ew_grid(a.size), (THREADS,), (a.ptr, f.ptr, a.size))
     return f
 
 
-def _bf16_outputs(s: _Scratch, outs: Sequence[DeviceArray | None],
+def _bf16_outputs(s: Scratch, outs: Sequence[DeviceArray | None],
                   dtypes: Sequence[str]) -> tuple[list[DeviceArray | None], Callable[[], None]]:
     """Outputs of the kernel's ``dtypes`` for the slots ``outs`` (scratch where the slot's dtype differs),
     and the function that stores them into their slots afterwards."""
@@ -1121,7 +1153,7 @@ def flash_attention_bf16(qkv: DeviceArray, segment_ids: DeviceArray | None = Non
     bf16 (rounded when its slot is float32), the tiled kernel of :func:`flash_attention_mma` on tensor
     cores where the device has them (sm_80+), else its SIMT twin (the emulator), ``out`` in bf16 and
     ``lse`` in fp32, stored in their slots' dtypes."""
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         q = as_dtype(s, qkv, "bfloat16")
         ys, store = _bf16_outputs(s, out, ("bfloat16", "float32"))
         flash_attention_mma(q, segment_ids, out=ys, tensor_cores=tensor_cores_available(qkv.device), **attrs)
@@ -1134,7 +1166,7 @@ def flash_attention_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray, o
                                   out: Sequence[DeviceArray | None], **attrs: Any) -> None:
     """Its backward: ``d_out``, ``qkv`` and ``o`` read as bf16, ``lse`` and ``d_lse`` as fp32, ``d_qkv``
     in bf16 (the gradient of a bf16 tensor) stored in its slot's dtype."""
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         args = [as_dtype(s, a, "bfloat16") for a in (d_out, qkv, o)]
         lse32, dlse32 = as_dtype(s, lse, "float32"), as_dtype(s, d_lse, "float32")
         ys, store = _bf16_outputs(s, out, ("bfloat16",))
@@ -1152,7 +1184,10 @@ def qkv_qk_norm_rope_bf16(qkv: DeviceArray, q_norm_weight: DeviceArray | None,
     then rope in fp32 (:func:`qkv_qk_norm_rope` without weights); ``out`` stored in its slot's dtype."""
     hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
     b, t = _heads(qkv, hq, hkv, d, "qkv_qk_norm_rope")
-    with _Scratch(qkv.device) as s:
+    if qkv.dtype == "bfloat16":
+        _qkv_norm_rope_bf16in(qkv, q_norm_weight, k_norm_weight, freqs, position_ids, out, b, t, attrs)
+        return
+    with Scratch(qkv.device) as s:
         x = as_dtype(s, qkv, "float32")
         ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight)]
         ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
@@ -1179,8 +1214,12 @@ def qkv_qk_norm_rope_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray,
     gradient rounded to bf16 through the norm in fp32, and ``d_qkv`` rounded to bf16."""
     hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
     b, t = _heads(qkv, hq, hkv, d, "qkv_qk_norm_rope_backward")
+    if qkv.dtype == "bfloat16":
+        _qkv_norm_rope_backward_bf16in(d_out, qkv, q_norm_weight, k_norm_weight, freqs, position_ids,
+                                       (q_rstd, k_rstd, d_q_rstd, d_k_rstd), out, b, t, attrs)
+        return
     dev = qkv.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         x, dy = as_dtype(s, qkv, "float32"), as_dtype(s, d_out, "float32")
         ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight)]
         rs = [as_dtype(s, r, "float32") for r in (q_rstd, k_rstd, d_q_rstd, d_k_rstd)]
@@ -1206,7 +1245,182 @@ def qkv_qk_norm_rope_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray,
         store()
 
 
-def _logits_bf16(s: _Scratch, xb: DeviceArray, wb: DeviceArray, softcap: float | None) -> DeviceArray:
+def _qkv_norm_rope_bf16in(qkv: DeviceArray, q_norm_weight: DeviceArray | None,
+                          k_norm_weight: DeviceArray | None, freqs: DeviceArray | None,
+                          position_ids: DeviceArray, out: Sequence[DeviceArray | None], b: int, t: int,
+                          attrs: Mapping[str, Any]) -> None:
+    """:func:`qkv_qk_norm_rope_bf16` on a bf16 ``qkv``: norm, rounding point and rope in one kernel that reads
+    the bf16 heads directly: no widened copy, no normalised-heads buffer. A bf16 ``out`` slot is written as
+    bf16 (``qkv_norm_rope_rp_bf16io``, the rstds too), a float32 one as float32 (``..._bf16in``)."""
+    hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
+    rd, batched = _rope_geometry(qkv, position_ids, d, attrs.get("rotary_dim"), "qkv_qk_norm_rope")
+    io = out[0] is not None and out[0].dtype == "bfloat16"
+    dt = "bfloat16" if io else "float32"
+    with Scratch(qkv.device) as s:
+        ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight, freqs)]
+        ys, store = _bf16_outputs(s, out, (dt, dt, dt))
+        o = s.out(ys[0], qkv.shape, dt)
+        if b and t:  # (a null rstd is not written)
+            qkv.device.launch("qkv_norm_rope_rp_bf16io" if io else "qkv_norm_rope_rp_bf16in",
+                              (hq + 2 * hkv, t, b), (32,),
+                              (qkv.ptr, *map(_ptr, ws), position_ids.ptr, o.ptr, _ptr(ys[1]), _ptr(ys[2]), t,
+                               hq, hkv, d, rd, batched, attrs["eps"], attrs["theta"],
+                               int(attrs.get("interleaved", False))))
+        store()
+
+
+def _qkv_norm_rope_backward_bf16in(d_out: DeviceArray | None, qkv: DeviceArray,
+                                   q_norm_weight: DeviceArray | None, k_norm_weight: DeviceArray | None,
+                                   freqs: DeviceArray | None,
+                                   position_ids: DeviceArray, rstds: Sequence[DeviceArray | None],
+                                   out: Sequence[DeviceArray | None], b: int, t: int,
+                                   attrs: Mapping[str, Any]) -> None:
+    """:func:`qkv_qk_norm_rope_backward_bf16` on a bf16 ``qkv``: rope's transpose fused into the norm's
+    backward kernels, which read the bf16 heads directly (``qkv_norm_rope_backward_rp_bf16in`` and its
+    ``_dw_`` twin): no widened copy, no unrotated-gradient buffer."""
+    hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
+    op = "qkv_qk_norm_rope_backward"
+    rd, batched = _rope_geometry(qkv, position_ids, d, attrs.get("rotary_dim"), op)
+    tail = (rd, batched, attrs["theta"], int(attrs.get("interleaved", False)))
+    dev = qkv.device
+    with Scratch(dev) as s:
+        dy, fr = as_dtype(s, d_out, "float32"), as_dtype(s, freqs, "float32")
+        ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight)]
+        # a head's statistics are read only under its norm's weight (none of them without a q/k norm)
+        rs = [as_dtype(s, r, "float32") if w is not None else None
+              for r, w in zip(rstds, ws * 2, strict=True)]
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        if ys[1] is not None or ys[2] is not None:
+            for w, dw in zip(ws, ys[1:], strict=True):
+                if w is None and dw is not None:  # no norm: its weight has no gradient
+                    dev.launch("fill_f32", ew_grid(dw.size), (THREADS,), (dw.ptr, 0.0, dw.size))
+            dws = [dw if w is not None else None for w, dw in zip(ws, ys[1:], strict=True)]
+            dev.launch("qkv_norm_rope_backward_dw_rp_bf16in", (cdiv(d, 32), 2), (32,),
+                       (_ptr(dy), qkv.ptr, _ptr(fr), position_ids.ptr, _ptr(rs[0]), _ptr(rs[1]), _ptr(dws[0]),
+                        _ptr(dws[1]), b, t, hq, hkv, d, *tail))
+        d_qkv = s.out(ys[0], qkv.shape)
+        if b and t:
+            dev.launch("qkv_norm_rope_backward_rp_bf16in", (hq + 2 * hkv, t, b), (32,),
+                       (_ptr(dy), qkv.ptr, *map(_ptr, ws), _ptr(fr), position_ids.ptr, *map(_ptr, rs),
+                        d_qkv.ptr, t, hq, hkv, d, *tail))
+        store()
+
+
+def _bf16in(base: str, a: DeviceArray | None) -> str:
+    """The kernel ``base`` that reads ``a`` as it is: ``<base>_bf16in`` for bf16, else ``<base>_f32``."""
+    return f"{base}_bf16in" if a is not None and a.dtype == "bfloat16" else f"{base}_f32"
+
+
+def rmsnorm_bf16in(x: DeviceArray, weight: DeviceArray, *, out: Sequence[DeviceArray | None],
+                   eps: float) -> None:
+    """:func:`rmsnorm` reading a bf16 ``x`` directly (``rmsnorm_bf16in``: float32 math, no widened copy)."""
+    c = x.shape[-1]
+    rows = x.size // c
+    with Scratch(x.device) as s:
+        w = as_dtype(s, weight, "float32")
+        xs = x if x.dtype == "bfloat16" else as_dtype(s, x, "float32")
+        assert w is not None and xs is not None
+        ys, store = _bf16_outputs(s, out, ("float32", "float32"))
+        y, rstd = s.out(ys[0], x.shape), s.out(ys[1], x.shape[:-1])
+        if rows:
+            x.device.launch(_bf16in("rmsnorm", xs), (rows,), row_block(c),
+                            (xs.ptr, w.ptr, y.ptr, rstd.ptr, c, eps))
+        store()
+
+
+def fused_residual_rmsnorm_bf16in(residual: DeviceArray, x: DeviceArray, weight: DeviceArray, *,
+                                  out: Sequence[DeviceArray | None], eps: float) -> None:
+    """:func:`fused_residual_rmsnorm` reading a bf16 ``x`` (a projection's output) directly; the residual
+    stream and the outputs stay float32."""
+    c = x.shape[-1]
+    rows = x.size // c
+    with Scratch(x.device) as s:
+        r32, w = as_dtype(s, residual, "float32"), as_dtype(s, weight, "float32")
+        xs = x if x.dtype == "bfloat16" else as_dtype(s, x, "float32")
+        assert r32 is not None and w is not None and xs is not None
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        res, y, rstd = s.out(ys[0], x.shape), s.out(ys[1], x.shape), s.out(ys[2], x.shape[:-1])
+        if rows:
+            x.device.launch(_bf16in("fused_residual_rmsnorm", xs), (rows,), row_block(c),
+                            (r32.ptr, xs.ptr, w.ptr, res.ptr, y.ptr, rstd.ptr, c, eps))
+        store()
+
+
+def _rms_grads_bf16in(s: Scratch, d_y: DeviceArray | None, x: DeviceArray, rstd: DeviceArray,
+                      weight: DeviceArray, d_rstd: DeviceArray | None, d_extra: DeviceArray | None,
+                      d_x: DeviceArray, d_w: DeviceArray | None) -> None:
+    """:func:`_rms_grads` reading a bf16 ``d_y`` directly (the ``_bf16in`` kernels); the other inputs as
+    float32."""
+    x32, r32, w32, dr32, de32 = (as_dtype(s, a, "float32") for a in (x, rstd, weight, d_rstd, d_extra))
+    assert x32 is not None and r32 is not None and w32 is not None
+    dy = d_y if d_y is None or d_y.dtype == "bfloat16" else as_dtype(s, d_y, "float32")
+    dev, c = x.device, x.shape[-1]
+    rows = x.size // c
+    if d_w is not None:
+        if dy is None or not rows:
+            dev.memset(d_w.ptr, 0, d_w.nbytes)
+        else:
+            dev.launch(_bf16in("rmsnorm_backward_dw", dy), (cdiv(c, THREADS),), (THREADS,),
+                       (dy.ptr, x32.ptr, r32.ptr, d_w.ptr, rows, c))
+    if rows:
+        dev.launch(_bf16in("rmsnorm_backward_dx", dy), (rows,), row_block(c),
+                   (_ptr(dy), x32.ptr, r32.ptr, w32.ptr, _ptr(dr32), _ptr(de32), d_x.ptr, c))
+
+
+def rmsnorm_backward_bf16in(d_y: DeviceArray | None, x: DeviceArray, rstd: DeviceArray, weight: DeviceArray,
+                            d_rstd: DeviceArray | None = None, *, out: Sequence[DeviceArray | None]) -> None:
+    """:func:`rmsnorm_backward` reading a bf16 ``d_y`` directly."""
+    with Scratch(x.device) as s:
+        ys, store = _bf16_outputs(s, out, ("float32", "float32"))
+        _rms_grads_bf16in(s, d_y, x, rstd, weight, d_rstd, None, s.out(ys[0], x.shape), ys[1])
+        store()
+
+
+def fused_residual_rmsnorm_backward_bf16in(d_y: DeviceArray | None, d_residual_out: DeviceArray | None,
+                                           residual_out: DeviceArray, rstd: DeviceArray, weight: DeviceArray,
+                                           d_rstd: DeviceArray | None = None, *,
+                                           out: Sequence[DeviceArray | None]) -> None:
+    """:func:`fused_residual_rmsnorm_backward` reading a bf16 ``d_y`` (a projection's input gradient)
+    directly."""
+    with Scratch(residual_out.device) as s:
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        d_residual, d_x, d_w = ys
+        first = d_residual if d_residual is not None else s.out(d_x, residual_out.shape)
+        _rms_grads_bf16in(s, d_y, residual_out, rstd, weight, d_rstd, d_residual_out, first, d_w)
+        if d_residual is not None and d_x is not None:
+            d_x.device.copy(d_x.ptr, d_residual.ptr, d_x.nbytes)
+        store()
+
+
+def layernorm_backward_bf16in(d_y: DeviceArray | None, x: DeviceArray, mean: DeviceArray,
+                              rstd: DeviceArray, weight: DeviceArray, d_mean: DeviceArray | None = None,
+                              d_rstd: DeviceArray | None = None, *,
+                              out: Sequence[DeviceArray | None]) -> None:
+    """:func:`layernorm_backward` reading a bf16 ``d_y`` directly (``layernorm_backward_dx_bf16in``,
+    ``_dw_bf16in``); the other inputs and the outputs as float32."""
+    dev, c = x.device, x.shape[-1]
+    rows = x.size // c
+    with Scratch(dev) as s:
+        x32, m32, r32, w32, dm32, dr32 = (as_dtype(s, a, "float32")
+                                          for a in (x, mean, rstd, weight, d_mean, d_rstd))
+        assert x32 is not None and m32 is not None and r32 is not None and w32 is not None
+        dy = d_y if d_y is None or d_y.dtype == "bfloat16" else as_dtype(s, d_y, "float32")
+        ys, store = _bf16_outputs(s, out, ("float32", "float32", "float32"))
+        d_x, d_w, d_b = s.out(ys[0], x.shape), s.out(ys[1], weight.shape), ys[2]
+        if dy is None or not rows:
+            for a in (d_w, d_b):
+                if a is not None:
+                    dev.memset(a.ptr, 0, a.nbytes)
+        else:
+            dev.launch(_bf16in("layernorm_backward_dw", dy), (cdiv(c, THREADS),), (THREADS,),
+                       (dy.ptr, x32.ptr, m32.ptr, r32.ptr, d_w.ptr, _ptr(d_b), rows, c))
+        if rows:
+            dev.launch(_bf16in("layernorm_backward_dx", dy), (rows,), row_block(c),
+                       (_ptr(dy), x32.ptr, m32.ptr, r32.ptr, w32.ptr, _ptr(dm32), _ptr(dr32), d_x.ptr, c))
+        store()
+
+
+def _logits_bf16(s: Scratch, xb: DeviceArray, wb: DeviceArray, softcap: float | None) -> DeviceArray:
     """One tile's logits under the bf16 recipe: bf16 x w^T (fp32 accumulate) rounded to bf16, then capped
     in fp32 (NumPy's ``_head_logits``)."""
     z = s.array((xb.shape[0], wb.shape[0]))
@@ -1224,12 +1438,12 @@ def fused_lm_head_loss_bf16(x: DeviceArray, weight: DeviceArray, targets: Device
     the weight as bf16, each tile's logits rounded to bf16, the loss and log-sum-exp over them in fp32. One
     tile of logits lives at a time, as in :func:`fused_lm_head_loss`."""
     n, v = x.shape[0], weight.shape[0]
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
         ys, store = _bf16_outputs(s, out, ("float32", "float32"))
         loss, lse = s.out(ys[0], (n,)), s.out(ys[1], (n,))
         for r0, r1 in _head_tiles(n, v):
-            with _Scratch(x.device) as tile:
+            with Scratch(x.device) as tile:
                 z = _logits_bf16(tile, _rows_of(xb, r0, r1), wb, softcap)
                 cross_entropy(z, _rows_of(targets, r0, r1),
                               out=(_rows_of(loss, r0, r1), _rows_of(lse, r0, r1)), ignore_index=ignore_index)
@@ -1245,13 +1459,13 @@ def fused_lm_head_loss_backward_bf16(d_loss: DeviceArray | None, x: DeviceArray,
     in fp32 and rounded once at the end (NumPy's one product over all rows, up to the fp32 order)."""
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
         dl, l32, dlse = (as_dtype(s, a, "float32") for a in (d_loss, lse, d_lse))
         ys, store = _bf16_outputs(s, out, ("float32", "float32"))
         d_x, d_w = ys
         for i, (r0, r1) in enumerate(_head_tiles(n, v)):
-            with _Scratch(dev) as tile:
+            with Scratch(dev) as tile:
                 xr = _rows_of(xb, r0, r1)
                 z, g = _logits_bf16(tile, xr, wb, softcap), tile.array((r1 - r0, v))
                 assert l32 is not None
@@ -1292,7 +1506,7 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
     _i32(targets, "targets")
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
         dl = as_dtype(s, d_loss, "float32")
         assert xb is not None and wb is not None
@@ -1311,7 +1525,7 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
             if dx is not None:
                 dxr = _rows_of(dx, r0, r1)
                 matmul(g, wb, out=(dxr,))
-                with _Scratch(dev) as t:
+                with Scratch(dev) as t:
                     round_bf16(t, dxr, into=dxr)
             if dw is not None:
                 matmul(g, xr, dw if i else None, out=(dw,), transpose="TN")
@@ -1323,7 +1537,7 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
 
 
 #: kernels of the bf16 recipe that read and write their slots' dtypes themselves (the backend runs every
-#: other kernel on float32 copies of bf16 tensors, rounding where the recipe says)
+#: other kernel on float32 copies of bf16 tensors, rounding where the recipe says, but those of BF16_READS)
 BF16_KERNELS: dict[str, Callable[..., None]] = {
     "flash_attention": flash_attention_bf16,
     "flash_attention_backward": flash_attention_backward_bf16,
@@ -1339,6 +1553,52 @@ BF16_KERNELS: dict[str, Callable[..., None]] = {
 FUSIONS: dict[str, tuple[Callable[..., None], Callable[..., None], tuple[str, ...]]] = {
     "fused_lm_head_loss_and_grad": (fused_lm_head_loss_and_grad, fused_lm_head_loss_and_grad_bf16,
                                     ("fused_lm_head_loss", "fused_lm_head_loss_backward")),
+}
+def _binary_bf16(op: str, base: str) -> Callable[..., None]:
+    """``op`` (``add``, ``bias_add``, ``mul``) on float32 and bf16 tensors as they lie: the kernel
+    ``<base>_<a><b><out>`` of their element types (``f`` float32, ``h`` bf16), a bf16 ``out`` rounded as it
+    is stored; all float32: the float32 kernel."""
+    def fn(a: DeviceArray, b: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
+        o = out[0]
+        types = "".join("h" if t.dtype == "bfloat16" else "f" for t in (a, b, o))
+        if types == "fff" or any(t.dtype not in ("float32", "bfloat16") for t in (a, b, o)):
+            _f32(a, b, o)
+            types = "f32"
+        a.device.launch(f"{base}_{types}", ew_grid(a.size), (THREADS,),
+                        (a.ptr, b.ptr, o.ptr, a.size, _trailing(a, b, op)))
+
+    fn.__name__ = f"{op}_bf16"
+    return fn
+
+
+def _gelu_bf16(backward: bool) -> Callable[..., None]:
+    """``gelu`` (or its backward) on float32 and bf16 tensors as they lie: the kernel ``gelu_<x><out>``
+    (``gelu_backward_<d><x><out>``) of their element types (``f`` float32, ``h`` bf16); all float32: the
+    float32 kernel."""
+    def fn(*args: DeviceArray, out: Sequence[DeviceArray], approximate: str = "none") -> None:
+        o, x = out[0], args[-1]
+        types = "".join("h" if t.dtype == "bfloat16" else "f" for t in (*args, o))
+        if "h" not in types or any(t.dtype not in ("float32", "bfloat16") for t in (*args, o)):
+            _f32(*args, o)
+            types = "f32"
+        kernel = f"gelu_backward_{types}" if backward else f"gelu_{types}"
+        x.device.launch(kernel, ew_grid(x.size), (THREADS,),
+                        (*(a.ptr for a in args), o.ptr, x.size, _is_tanh(approximate)))
+
+    fn.__name__ = "gelu_backward_bf16" if backward else "gelu_bf16"
+    return fn
+
+
+#: float32 kernels and their twins that read bf16 tensors directly (float32 math inside, no widened copies):
+#: under the bf16 recipe the backend hands the twin its steps' bf16 slots as they are
+#: (:func:`kiln.cuda._backend.low_precision`), rounding the float inputs of a ``lower`` step and the
+#: ``rounded`` outputs as before
+BF16_READS: dict[Callable[..., None], Callable[..., None]] = {
+    rmsnorm: rmsnorm_bf16in,
+    fused_residual_rmsnorm: fused_residual_rmsnorm_bf16in,
+    rmsnorm_backward: rmsnorm_backward_bf16in,
+    fused_residual_rmsnorm_backward: fused_residual_rmsnorm_backward_bf16in,
+    layernorm_backward: layernorm_backward_bf16in,
 }
 #: ops whose kernels take bf16 operands (the backend hands a ``lower`` step of them its float inputs as
 #: bf16, rounded where they are float32, instead of float32 copies of bf16 values): cuBLASLt's bf16 GEMM
@@ -1363,7 +1623,7 @@ def qkv_qk_norm_rope(qkv: DeviceArray, q_norm_weight: DeviceArray | None, k_norm
     _f32(qkv, q_norm_weight, k_norm_weight, freqs)
     b, t = _heads(qkv, Hq, Hkv, D, op)
     rd, batched = _rope_geometry(qkv, position_ids, D, rotary_dim, op)
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         o, q_rstd, k_rstd = s.out(out[0], qkv.shape), s.out(out[1], (b, t, Hq)), s.out(out[2], (b, t, Hkv))
         if b and t:
             qkv.device.launch("qkv_norm_rope_f32", (Hq + 2 * Hkv, t, b), (32,),
@@ -1387,7 +1647,7 @@ def qkv_qk_norm_rope_backward(d_qkv_out: DeviceArray | None, qkv: DeviceArray,
     weights = (_ptr(d_qkv_out), qkv.ptr, _ptr(q_norm_weight), _ptr(k_norm_weight), _ptr(freqs),
                position_ids.ptr, q_rstd.ptr, k_rstd.ptr)
     d_qkv, d_qw, d_kw = out
-    with _Scratch(qkv.device) as s:
+    with Scratch(qkv.device) as s:
         d_qkv = s.out(d_qkv, qkv.shape)
         if d_qw is not None or d_kw is not None:
             qkv.device.launch("qkv_norm_rope_backward_dw_f32", (cdiv(D, 32), 2), (32,),
@@ -1429,7 +1689,7 @@ def moe_topk(probs: DeviceArray, *, out: Sequence[DeviceArray | None], k: int, n
     n, e = probs.shape
     if not 1 <= k <= e:
         raise KilnError(f"op 'moe_topk': k = {k} is not in 1..{e} (the number of experts)")
-    with _Scratch(probs.device) as s:
+    with Scratch(probs.device) as s:
         w, idx = s.out(out[0], (n, k)), s.out(out[1], (n, k), "int32")
         if n:
             probs.device.launch("moe_topk_f32", (cdiv(n, THREADS),), (THREADS,),
@@ -1454,7 +1714,7 @@ def moe_permute(x: DeviceArray, indices: DeviceArray, *, out: Sequence[DeviceArr
     _i32(indices, "expert indices")
     (n, c), k = x.shape, indices.shape[1]
     dev, r = x.device, n * k
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         x_perm, scatter = s.out(out[0], (r, c)), s.out(out[1], (r,), "int32")
         offsets = s.out(out[2], (num_experts + 1,), "int32")
         dev.launch("moe_route_f32", (1,), (THREADS,), (indices.ptr, scatter.ptr, offsets.ptr, r, num_experts))
@@ -1470,7 +1730,7 @@ def _combine(y: DeviceArray, weights: DeviceArray | None, scatter_idx: DeviceArr
     dev, r, c = y.device, y.shape[0], y.shape[1]
     if r != n * k:
         raise KilnError(f"moe rows on cuda: {r} rows of y_perm for {n} tokens x {k} slots")
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         row_of = s.array((max(r, 1),), "int32")
         if r:
             dev.launch("moe_invert_f32", ew_grid(r), (THREADS,), (scatter_idx.ptr, row_of.ptr, r))
@@ -1522,7 +1782,7 @@ def moe_load_stats(probs: DeviceArray, indices: DeviceArray, segment_ids: Device
     _f32(probs)
     _i32(indices, "expert indices")
     n, e = probs.shape
-    with _Scratch(probs.device) as s:
+    with Scratch(probs.device) as s:
         load, mean = s.out(out[0], (e,)), s.out(out[1], (e,))
         if e:
             probs.device.launch("moe_load_stats_f32", (e,), (THREADS,),
@@ -1545,7 +1805,7 @@ def moe_aux_loss(loss: DeviceArray, targets: DeviceArray, load: DeviceArray, mea
     _i32(targets, "targets")
     if num_layers < 1:
         raise KilnError(f"op 'moe_aux_loss': num_layers must be >= 1, found {num_layers}")
-    with _Scratch(loss.device) as s:
+    with Scratch(loss.device) as s:
         loss_out, aux = s.out(out[0], loss.shape), s.out(out[1], ())
         loss.device.launch("moe_aux_loss_f32", (1,), (THREADS,),
                            (loss.ptr, targets.ptr, load.ptr, mean_probs.ptr, loss_out.ptr, aux.ptr, loss.size,
@@ -1561,7 +1821,7 @@ def moe_aux_loss_backward(d_loss: DeviceArray | None, d_aux: DeviceArray | None,
                         coef, num_layers, ignore_index))
 
 
-def _router_probs(s: _Scratch, x: DeviceArray, gate: DeviceArray, use_sigmoid: bool, op: str) -> DeviceArray:
+def _router_probs(s: Scratch, x: DeviceArray, gate: DeviceArray, use_sigmoid: bool, op: str) -> DeviceArray:
     """moe_router's probs [N, E] in the workspace: the matmul x @ gate^T, then softmax (or sigmoid) in place
     (each thread reads an element before it writes it)."""
     _f32(x, gate)
@@ -1582,7 +1842,7 @@ def moe_router(x: DeviceArray, gate: DeviceArray, *, out: Sequence[DeviceArray |
     n, e = x.shape[0], gate.shape[0]
     if not 1 <= top_k <= e:
         raise KilnError(f"op 'moe_router': top_k = {top_k} is not in 1..{e} (the number of experts)")
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         probs = _router_probs(s, x, gate, use_sigmoid, "moe_router")
         w, idx, aux = s.out(out[0], (n, top_k)), s.out(out[1], (n, top_k), "int32"), s.out(out[2], ())
         moe_topk(probs, out=(w, idx), k=top_k, normalize=normalize)
@@ -1601,7 +1861,7 @@ def moe_router_backward(d_weights: DeviceArray | None, d_aux_loss: DeviceArray |
     _i32(indices, "expert indices")
     n, e = x.shape[0], gate.shape[0]
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         probs = _router_probs(s, x, gate, use_sigmoid, "moe_router_backward")
         d_probs = s.array((n, e))
         if d_weights is not None:
@@ -1679,7 +1939,7 @@ def moe_grouped_gemm_dw(d: DeviceArray, x: DeviceArray, offsets: DeviceArray, *,
 # --- optimizer ------------------------------------------------------------------------------------
 
 
-def _norm_into(s: _Scratch, grads: Sequence[DeviceArray], total: int) -> None:
+def norm_into(s: Scratch, grads: Sequence[DeviceArray], total: int) -> None:
     """Launches the global L2 norm of ``grads`` into the float at device address ``total``."""
     dev = grads[0].device
     partial = s.array((len(grads) * NORM_BLOCKS,))
@@ -1697,9 +1957,9 @@ def grad_norm(*grads: DeviceArray) -> float:
     if not grads:
         return 0.0
     dev = grads[0].device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         total = s.array((1,))
-        _norm_into(s, grads, total.ptr)
+        norm_into(s, grads, total.ptr)
         dev.synchronize()
         return float(dev.copy_to_host(total.ptr, 4).view(np.float32)[0])
 
@@ -1714,9 +1974,9 @@ def grad_norm_on_device(scalars: DeviceArray, grads: Sequence[DeviceArray]) -> N
     the threshold :func:`step_scalars` put there), on the device: nothing read back, a graph can hold it."""
     _f32(*grads)
     dev = scalars.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         if grads:
-            _norm_into(s, grads, scalars.ptr)
+            norm_into(s, grads, scalars.ptr)
         else:
             dev.memset(scalars.ptr, 0, 4)
         dev.launch("clip_scale_f32", (1,), (1,), (scalars.ptr,))
@@ -1898,7 +2158,7 @@ def fused_residual_rmsnorm_apply_saved(residual: DeviceArray, x: DeviceArray, rs
     rstd, as the forward kernel computes them (bit for bit)."""
     _f32(residual, x, rstd, weight)
     c = x.shape[-1]
-    with _Scratch(x.device) as s:
+    with Scratch(x.device) as s:
         res, y = s.out(out[0], x.shape), s.out(out[1], x.shape)
         if x.size:
             x.device.launch("fused_residual_rmsnorm_apply_saved_f32", ew_grid(x.size), (THREADS,),
@@ -1916,20 +2176,19 @@ def _contiguous(shape: Sequence[int]) -> list[int]:
 
 #: dims of the strided copy kernel (layout.cu); more, once contiguous ones are merged, is a KilnError
 COPY_DIMS = 6
+#: element size -> the layout kernels that copy its bits (layout.cu): strided copy, tiled transpose
+COPY_KERNELS = {4: ("strided_copy_b32", "transpose_tiled_b32"),
+                2: ("strided_copy_b16", "transpose_tiled_b16")}
+#: the tiled transpose's tile (TILE x TILE elements) and its block (TILE x TILE_ROWS threads), as in layout.cu
+TILE, TILE_ROWS = 32, 8
+#: the largest y and z of a grid (the tiled transpose's blocks loop over more)
+GRID_YZ = 65535
 
 
-def strided_copy(src: DeviceArray, dst: DeviceArray, shape: Sequence[int], src_strides: Sequence[int],
-                 dst_strides: Sequence[int], src_off: int = 0, dst_off: int = 0) -> None:
-    """``dst[dst_off + sum k_i t_i] = src[src_off + sum k_i s_i]`` for every index ``k`` of ``shape``
-    (strides and offsets in elements): one launch of ``strided_copy_b32``, the dims of size 1 dropped and
-    dims contiguous on both sides merged."""
-    for a in (src, dst):
-        if itemsize(a.dtype) != 4:
-            raise KilnError(f"kiln.cuda's layout kernels copy 32-bit elements (float32, int32); found a "
-                            f"{a.dtype} tensor {a.shape}")
-    n = math.prod(shape)
-    if not n:
-        return
+def _merged(shape: Sequence[int], src_strides: Sequence[int],
+            dst_strides: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(size, source stride, destination stride) of each dim, the dims of size 1 dropped and each dim merged
+    into the one before where both sides continue it."""
     dims: list[tuple[int, int, int]] = []
     for d, s_, t in zip(shape, src_strides, dst_strides, strict=True):
         if d == 1:
@@ -1938,13 +2197,48 @@ def strided_copy(src: DeviceArray, dst: DeviceArray, shape: Sequence[int], src_s
             dims[-1] = (dims[-1][0] * d, s_, t)
         else:
             dims.append((d, s_, t))
+    return dims
+
+
+def strided_copy(src: DeviceArray, dst: DeviceArray, shape: Sequence[int], src_strides: Sequence[int],
+                 dst_strides: Sequence[int], src_off: int = 0, dst_off: int = 0) -> None:
+    """``dst[dst_off + sum k_i t_i] = src[src_off + sum k_i s_i]`` for every index ``k`` of ``shape``
+    (strides and offsets in elements), the bits of 32-bit or 16-bit elements copied: the dims of size 1
+    dropped and dims contiguous on both sides merged, then one launch of ``strided_copy_b32`` (``_b16``), or
+    of the tiled transpose (``transpose_tiled_b32``, ``_b16``) when the copy is at most one batch dim around a
+    swap of the last two (the output's last dim contiguous there, running across the source's rows)."""
+    size = itemsize(src.dtype)
+    if size != itemsize(dst.dtype) or size not in COPY_KERNELS:
+        raise KilnError(f"kiln.cuda's layout kernels copy 32-bit elements (float32, int32) or 16-bit ones "
+                        f"(bfloat16), the same size on both sides; found a {src.dtype} tensor {src.shape} "
+                        f"copied to a {dst.dtype} tensor {dst.shape}")
+    n = math.prod(shape)
+    if not n:
+        return
+    copy_kernel, tiled = COPY_KERNELS[size]
+    dims = _merged(shape, src_strides, dst_strides)
+    src_ptr, dst_ptr = src.ptr + size * src_off, dst.ptr + size * dst_off
+    if 2 <= len(dims) <= 3 and dims[-2][1] == 1 and dims[-1][2] == 1:
+        (batch, sz, tz), (c, _, ld), (r, ls, _) = [(1, 0, 0)] * (3 - len(dims)) + dims
+        grid = (cdiv(c, TILE), min(cdiv(r, TILE), GRID_YZ), min(batch, GRID_YZ))
+        src.device.launch(tiled, grid, (TILE, TILE_ROWS), (src_ptr, dst_ptr, batch, r, c, ls, ld, sz, tz))
+        return
     if len(dims) > COPY_DIMS:
         raise KilnError(f"a layout op on cuda: {tuple(shape)} needs {len(dims)} dims after merging, the copy "
                         f"kernel takes {COPY_DIMS}")
     dims = [(1, 0, 0)] * (COPY_DIMS - len(dims)) + dims
     sizes, ss, ts = zip(*dims, strict=True)
-    src.device.launch("strided_copy_b32", ew_grid(n), (THREADS,),
-                      (src.ptr + 4 * src_off, dst.ptr + 4 * dst_off, n, *sizes[1:], *ss, *ts))
+    src.device.launch(copy_kernel, ew_grid(n), (THREADS,), (src_ptr, dst_ptr, n, *sizes[1:], *ss, *ts))
+
+
+def _like(s: Scratch, x: DeviceArray, o: DeviceArray) -> DeviceArray:
+    """``x`` in ``o``'s float dtype where the two differ (float32 and bfloat16 under the bf16 recipe: a cast
+    into scratch, rounding to nearest even towards bf16, exact the other way), else ``x`` itself."""
+    if x.dtype != o.dtype and {x.dtype, o.dtype} <= {"float32", "bfloat16"}:
+        y = as_dtype(s, x, o.dtype)
+        assert y is not None
+        return y
+    return x
 
 
 def _permute_into(x: DeviceArray, o: DeviceArray, perm: Sequence[int], op: str) -> None:
@@ -1953,7 +2247,8 @@ def _permute_into(x: DeviceArray, o: DeviceArray, perm: Sequence[int], op: str) 
     if o.shape != shape:
         raise KilnError(f"op {op!r} on cuda: out {o.shape} is not x {x.shape} permuted by {tuple(perm)}")
     xs = _contiguous(x.shape)
-    strided_copy(x, o, shape, [xs[p] for p in perm], _contiguous(shape))
+    with Scratch(x.device) as s:
+        strided_copy(_like(s, x, o), o, shape, [xs[p] for p in perm], _contiguous(shape))
 
 
 def transpose(x: DeviceArray, *, out: Sequence[DeviceArray], dim0: int, dim1: int) -> None:
@@ -1974,7 +2269,8 @@ def concat(*xs: DeviceArray, out: Sequence[DeviceArray], dim: int = -1) -> None:
     o = out[0]
     axis, strides, at = dim % len(o.shape), _contiguous(o.shape), 0
     for x in xs:
-        strided_copy(x, o, x.shape, _contiguous(x.shape), strides, 0, at * strides[axis])
+        with Scratch(o.device) as s:
+            strided_copy(_like(s, x, o), o, x.shape, _contiguous(x.shape), strides, 0, at * strides[axis])
         at += x.shape[axis]
     if at != o.shape[axis]:
         raise KilnError(f"op 'concat' on cuda: inputs of {at} along dim {dim} for out {o.shape}")
@@ -1986,11 +2282,15 @@ def split(x: DeviceArray, *, out: Sequence[DeviceArray | None], sizes: Sequence[
     if sum(sizes) != x.shape[axis] or len(sizes) != len(out):
         raise KilnError(f"op 'split' on cuda: sizes {list(sizes)} do not split dim {dim} of {x.shape} into "
                         f"{len(out)} parts")
-    at = 0
-    for part, size in zip(out, sizes, strict=True):
-        if part is not None:
-            strided_copy(x, part, part.shape, strides, _contiguous(part.shape), at * strides[axis])
-        at += size
+    at, src = 0, {x.dtype: x}  # x in each of the parts' dtypes, cast once
+    with Scratch(x.device) as s:
+        for part, size in zip(out, sizes, strict=True):
+            if part is not None:
+                if part.dtype not in src:
+                    src[part.dtype] = _like(s, x, part)
+                strided_copy(src[part.dtype], part, part.shape, strides, _contiguous(part.shape),
+                             at * strides[axis])
+            at += size
 
 
 def _expanded_strides(x: tuple[int, ...], shape: tuple[int, ...], new: Sequence[int], op: str) -> list[int]:
@@ -2012,8 +2312,9 @@ def broadcast_to(x: DeviceArray, *, out: Sequence[DeviceArray], shape: Any = Non
     o = out[0]
     rank = len(o.shape)
     new = sorted(a % rank for a in axes) if axes else list(range(rank - len(x.shape)))
-    strided_copy(x, o, o.shape, _expanded_strides(x.shape, o.shape, new, "broadcast_to"),
-                 _contiguous(o.shape))
+    with Scratch(o.device) as s:
+        strided_copy(_like(s, x, o), o, o.shape, _expanded_strides(x.shape, o.shape, new, "broadcast_to"),
+                     _contiguous(o.shape))
 
 
 def _trailing_size(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
@@ -2029,7 +2330,7 @@ def div(a: DeviceArray, b: DeviceArray, *, out: Sequence[DeviceArray]) -> None:
     broadcast to out's shape into the workspace first (:func:`broadcast_to`)."""
     _f32(a, b, out[0])
     o = out[0]
-    with _Scratch(a.device) as s:
+    with Scratch(a.device) as s:
         if a.shape != o.shape:
             a_full = s.array(o.shape)
             broadcast_to(a, out=(a_full,))
@@ -2080,6 +2381,12 @@ def qk_norm(q: DeviceArray, k: DeviceArray, q_weight: DeviceArray, k_weight: Dev
 _REDUCE_OPS = {"reduce_sum": 0, "reduce_mean": 1, "reduce_max": 2}
 #: reduced lengths from which a contiguous row gets a block of its own; shorter rows, and columns, a thread
 ROW_REDUCE = 128
+#: columns at least this long, with fewer outputs than COL_SPLIT_OUTPUTS (too few threads to fill a GPU: an
+#: H100 holds 270,000), are split over the rows of threads of a block (``reduce_cols_split_f32``, COL_THREADS
+#: threads a block as in reduce.cu); the thresholds are estimates, untimed
+COL_SPLIT_R = 256
+COL_SPLIT_OUTPUTS = 1 << 18
+COL_THREADS = 256
 
 
 def _reduced(shape: tuple[int, ...], axes: Sequence[int], op: str) -> tuple[list[int], list[int], bool]:
@@ -2101,6 +2408,10 @@ def _reduce_launch(x: DeviceArray, o: DeviceArray, outer: int, r: int, inner: in
         o.device.memset(o.ptr, 0, o.nbytes)
     elif inner == 1 and r >= ROW_REDUCE:
         x.device.launch("reduce_rows_f32", (outer,), row_block(r), (x.ptr, o.ptr, r, code))
+    elif r >= COL_SPLIT_R and outer * inner < COL_SPLIT_OUTPUTS:
+        cols = min(32, 1 << (inner - 1).bit_length())  # adjacent columns a block (a power of two)
+        x.device.launch("reduce_cols_split_f32", (cdiv(inner, cols), min(outer, GRID_YZ)),
+                        (cols, COL_THREADS // cols), (x.ptr, o.ptr, outer, r, inner, code))
     else:
         x.device.launch("reduce_cols_f32", (cdiv(outer * inner, THREADS),), (THREADS,),
                         (x.ptr, o.ptr, outer, r, inner, code))
@@ -2108,8 +2419,9 @@ def _reduce_launch(x: DeviceArray, o: DeviceArray, outer: int, r: int, inner: in
 
 def _reduce(op: str) -> Callable[..., None]:
     """``reduce_sum`` / ``reduce_mean`` / ``reduce_max``: x as [outer, R, inner] around adjacent reduced
-    axes (a block per row when inner is 1 and R at least ``ROW_REDUCE``, else a thread per output), other
-    axis sets gathered to the end first."""
+    axes (a block per row when inner is 1 and R at least ``ROW_REDUCE``; long columns of few outputs split
+    over a block's rows of threads, ``COL_SPLIT_R``; else a thread per output), other axis sets gathered to
+    the end first."""
     code = _REDUCE_OPS[op]
 
     def fn(x: DeviceArray, *, out: Sequence[DeviceArray], axes: Sequence[int],
@@ -2117,7 +2429,7 @@ def _reduce(op: str) -> Callable[..., None]:
         _f32(x, out[0])
         kept, red, adjacent = _reduced(x.shape, axes, op)
         r = math.prod(x.shape[i] for i in red)
-        with _Scratch(x.device) as s:
+        with Scratch(x.device) as s:
             if adjacent:
                 outer, inner = math.prod(x.shape[:red[0]]), math.prod(x.shape[red[-1] + 1:])
             else:
@@ -2131,7 +2443,8 @@ def _reduce(op: str) -> Callable[..., None]:
 
 def reduce_mean_backward(d: DeviceArray, *, out: Sequence[DeviceArray], shape: Any = None,
                          axes: Sequence[int] = (), keepdims: bool = False) -> None:
-    """d broadcast back over the reduced axes (:func:`strided_copy`), then scaled by 1 / count in place."""
+    """d broadcast back over the reduced axes (:func:`strided_copy`), then divided by count in place (as
+    the reference divides, not times 1 / count, which can be an ulp off: the reference's bits)."""
     _f32(d, out[0])
     o = out[0]
     rank = len(o.shape)
@@ -2144,7 +2457,10 @@ def reduce_mean_backward(d: DeviceArray, *, out: Sequence[DeviceArray], shape: A
     strided_copy(d, o, o.shape, _expanded_strides(src, o.shape, red, "reduce_mean_backward"),
                  _contiguous(o.shape))
     if o.size:
-        o.device.launch("scale_f32", ew_grid(o.size), (THREADS,), (o.ptr, o.ptr, 1.0 / count, o.size))
+        with Scratch(o.device) as s:
+            c = s.array((1,))  # count as a float32 (exact below 2^24), broadcast by div_f32
+            o.device.launch("fill_f32", ew_grid(1), (THREADS,), (c.ptr, float(count), 1))
+            o.device.launch("div_f32", ew_grid(o.size), (THREADS,), (o.ptr, c.ptr, o.ptr, o.size, 1))
 
 
 def reduce_max_backward(d: DeviceArray, x: DeviceArray, y: DeviceArray, *, out: Sequence[DeviceArray],
@@ -2156,7 +2472,7 @@ def reduce_max_backward(d: DeviceArray, x: DeviceArray, y: DeviceArray, *, out: 
     kept, red, adjacent = _reduced(x.shape, axes, op)
     r = math.prod(x.shape[i] for i in red)
     dev = x.device
-    with _Scratch(dev) as s:
+    with Scratch(dev) as s:
         d_x = out[0]
         if adjacent:
             outer, inner = math.prod(x.shape[:red[0]]), math.prod(x.shape[red[-1] + 1:])
@@ -2208,3 +2524,10 @@ KERNELS.update({
 })
 #: matmul_bias takes bf16 x and w under the bf16 recipe, as matmul does (cuBLASLt's bf16 GEMM on a GPU)
 BF16_OPERANDS = BF16_OPERANDS | {"matmul_bias"}
+#: the layout copies read and write bf16 slots as they are under the bf16 recipe (16-bit copies, no widened
+#: float32 copies; a float32 slot on one side and bf16 on the other: a cast of the input first)
+BF16_READS.update({fn: fn for fn in (transpose, permute, concat, split, broadcast_to)})
+#: add and mul read and write bf16 slots as they lie under the bf16 recipe (kernels of mixed element types)
+BF16_READS.update({KERNELS[op][0]: _binary_bf16(op, base)
+                   for op, base in (("add", "add"), ("bias_add", "add"), ("mul", "mul"))})
+BF16_READS.update({KERNELS["gelu"][0]: _gelu_bf16(False), KERNELS["gelu_backward"][0]: _gelu_bf16(True)})

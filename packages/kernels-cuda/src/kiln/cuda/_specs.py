@@ -99,7 +99,7 @@ SPECS: dict[str, KernelSpec] = {
              mamba_scan_f32="ppppppppppp iiiiii",
              mamba_scan_backward_f32="ppppppppppp ppppppppppp iiiiii",
              mamba_scan_chunked_f32="pppppppppppp iiiiii",
-             mamba_scan_chunked_backward_f32="pppppppppp pppppppppp iiiiii",
+             mamba_scan_chunked_backward_f32="pppppppppp pppppppppp iiiiiii",
              mamba_sum_batch_f32="ppiq", mamba_sum_group_f32="ppiiiiii"),
     **_attention_mma(),
 }
@@ -110,9 +110,29 @@ SPECS |= {
              fused_residual_rmsnorm_apply_saved_f32="ppppppqi", div_f32="pppqq", exp_f32="ppq",
              reciprocal_f32="ppq", sigmoid_f32="ppq", sigmoid_backward_f32="pppq", relu2_f32="ppq",
              relu2_backward_f32="pppq", geglu_f32="pppqi", add3_f32="ppppq"),
-    **_specs("reduce.cu", reduce_rows_f32="ppqi", reduce_cols_f32="ppqqqi",
+    **_specs("reduce.cu", reduce_rows_f32="ppqi", reduce_cols_f32="ppqqqi", reduce_cols_split_f32="ppqqqi",
              reduce_max_backward_f32="ppppqqq"),
-    **_specs("layout.cu", strided_copy_b32="ppq qqqqq qqqqqq qqqqqq"),
+    **_specs("layout.cu", strided_copy_b32="ppq qqqqq qqqqqq qqqqqq",
+             strided_copy_b16="ppq qqqqq qqqqqq qqqqqq", transpose_tiled_b32="pp qqqqqqq",
+             transpose_tiled_b16="pp qqqqqqq"),
+}
+
+# the bf16 recipe's kernels that read (and write) bf16 tensors directly, with no widened float32 copies
+SPECS |= {
+    **_specs("norms.cu", rmsnorm_bf16in="ppppif", fused_residual_rmsnorm_bf16in="ppppppif",
+             rmsnorm_backward_dx_bf16in="pppppppi", rmsnorm_backward_dw_bf16in="ppppqi",
+             layernorm_backward_dx_bf16in="ppppppppi", layernorm_backward_dw_bf16in="ppppppqi"),
+    **_specs("elementwise.cu", swiglu_rp_bf16io="ppqq", swiglu_backward_rp_bf16io="pppqq",
+             swiglu_backward_rp_bf16x="pppqq", round_f32_bf16="ppq",
+             **{f"{op}_{types}": "pppqq" for op in ("add", "mul")
+                for types in ("ffh", "fhf", "fhh", "hff", "hfh", "hhf", "hhh")},
+             **{f"gelu_{types}": "ppqi" for types in ("fh", "hf", "hh")},
+             **{f"gelu_backward_{types}": "pppqi"
+                for types in ("ffh", "fhf", "fhh", "hff", "hfh", "hhf", "hhh")}),
+    **_specs("rope.cu", qkv_norm_rope_rp_bf16in="pppppppp iiiiii ff i",
+             qkv_norm_rope_rp_bf16io="pppppppp iiiiii ff i",
+             qkv_norm_rope_backward_rp_bf16in="ppppppppppp iiiiii f i",
+             qkv_norm_rope_backward_dw_rp_bf16in="pppppppp iiiiiii f i"),
 }
 
 

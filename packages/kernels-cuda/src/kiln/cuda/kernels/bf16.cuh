@@ -19,6 +19,13 @@ __device__ __forceinline__ bf16 f32_to_bf16(float x) {
 // x rounded to bf16 and widened back: the recipe's rounding point inside a float32 kernel.
 __device__ __forceinline__ float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// Element access of the kernels that read and write bf16 tensors directly (float32 math inside, no widened
+// copies): a bf16 element widens exactly on load and rounds to nearest even on store; a float32 one is as is.
+__device__ __forceinline__ float load_f32(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load_f32(const bf16* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void store_f32(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f32(bf16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+
 // a * b rounded once, never contracted into an fma (NumPy's emulation rounds every product).
 __device__ __forceinline__ float mul_rn(float a, float b) {
 #ifdef KILN_EMULATOR

@@ -46,28 +46,27 @@ extern "C" __global__ void relu_backward_f32(const float* d, const float* x, flo
 }
 
 // gelu: x * Phi(x), the tanh approximation when tanh_approx != 0, else exact (erf)
+__device__ __forceinline__ float gelu_of(float v, int tanh_approx) {
+    float t = tanh_approx ? tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)) : erff(v * 0.7071067811865476f);
+    return 0.5f * v * (1.0f + t);
+}
+
 extern "C" __global__ void gelu_f32(const float* x, float* out, long long n, int tanh_approx) {
-    for (long long i = first_index(); i < n; i += grid_stride()) {
-        float v = x[i];
-        float t = tanh_approx ? tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))
-                              : erff(v * 0.7071067811865476f);
-        out[i] = 0.5f * v * (1.0f + t);
-    }
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = gelu_of(x[i], tanh_approx);
 }
 
 // gelu_backward: d_x = d * gelu'(x) for the same approximation
+__device__ __forceinline__ float gelu_grad(float v, int tanh_approx) {
+    if (tanh_approx) {
+        float t = tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v));
+        return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
+    }
+    return 0.5f * (1.0f + erff(v * 0.7071067811865476f)) + v * 0.3989422804014327f * expf(-0.5f * v * v);
+}
+
 extern "C" __global__ void gelu_backward_f32(const float* d, const float* x, float* d_x, long long n,
                                              int tanh_approx) {
-    for (long long i = first_index(); i < n; i += grid_stride()) {
-        float v = x[i], g;
-        if (tanh_approx) {
-            float t = tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v));
-            g = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * v * v);
-        } else {
-            g = 0.5f * (1.0f + erff(v * 0.7071067811865476f)) + v * 0.3989422804014327f * expf(-0.5f * v * v);
-        }
-        d_x[i] = d[i] * g;
-    }
+    for (long long i = first_index(); i < n; i += grid_stride()) d_x[i] = d[i] * gelu_grad(x[i], tanh_approx);
 }
 
 // swiglu: x is [rows, 2m] laid out [gate | up]; out[r, j] = silu(gate[r, j]) * up[r, j]
@@ -93,29 +92,56 @@ extern "C" __global__ void swiglu_backward_f32(const float* d, const float* x, f
 
 // swiglu under the bf16 recipe (NumPy's swiglu_bf16): silu in fp32 rounded to bf16, then the product
 // rounded. sigmoid = (1 + tanh(g / 2)) / 2 as NumPy's emulation writes it; mul_rn keeps the GPU from
-// contracting a product into an fma the emulation does not have.
-extern "C" __global__ void swiglu_rp_bf16(const float* x, float* out, long long rows, long long m) {
+// contracting a product into an fma the emulation does not have. T is the element type of x and out: the
+// _bf16 entry point reads and writes float32 slots, _bf16io bf16 ones (no widened copies; the stored
+// value is the rounded one either way).
+template <typename T>
+__device__ void swiglu_rp(const T* x, T* out, long long rows, long long m) {
     for (long long i = first_index(); i < rows * m; i += grid_stride()) {
         long long r = i / m, j = i % m;
-        float g = x[r * 2 * m + j], u = x[r * 2 * m + m + j];
+        float g = load_f32(x, r * 2 * m + j), u = load_f32(x, r * 2 * m + m + j);
         float sig = mul_rn(0.5f, 1.0f + tanhf(mul_rn(0.5f, g)));
-        out[i] = round_bf16(mul_rn(round_bf16(mul_rn(g, sig)), u));
+        store_f32(out, i, round_bf16(mul_rn(round_bf16(mul_rn(g, sig)), u)));
     }
+}
+
+extern "C" __global__ void swiglu_rp_bf16(const float* x, float* out, long long rows, long long m) {
+    swiglu_rp(x, out, rows, m);
+}
+
+extern "C" __global__ void swiglu_rp_bf16io(const bf16* x, bf16* out, long long rows, long long m) {
+    swiglu_rp(x, out, rows, m);
 }
 
 // its backward (swiglu_backward_bf16): d_s = bf16(d * up), d_gate = bf16(d_s * silu'(gate)),
 // d_up = bf16(d * bf16(silu(gate))); reads its pair before writing, so d_x may be x's storage
-extern "C" __global__ void swiglu_backward_rp_bf16(const float* d, const float* x, float* d_x, long long rows,
-                                                   long long m) {
+template <typename TD, typename TX, typename TO>
+__device__ void swiglu_backward_rp(const TD* d, const TX* x, TO* d_x, long long rows, long long m) {
     for (long long i = first_index(); i < rows * m; i += grid_stride()) {
         long long r = i / m, j = i % m;
-        float g = x[r * 2 * m + j], u = x[r * 2 * m + m + j];
+        float g = load_f32(x, r * 2 * m + j), u = load_f32(x, r * 2 * m + m + j), dv = load_f32(d, i);
         float sig = mul_rn(0.5f, 1.0f + tanhf(mul_rn(0.5f, g)));
-        float d_s = round_bf16(mul_rn(d[i], u));
+        float d_s = round_bf16(mul_rn(dv, u));
         float grad = mul_rn(sig, 1.0f + mul_rn(g, 1.0f - sig));
-        d_x[r * 2 * m + j] = round_bf16(mul_rn(d_s, grad));
-        d_x[r * 2 * m + m + j] = round_bf16(mul_rn(d[i], round_bf16(mul_rn(g, sig))));
+        store_f32(d_x, r * 2 * m + j, round_bf16(mul_rn(d_s, grad)));
+        store_f32(d_x, r * 2 * m + m + j, round_bf16(mul_rn(dv, round_bf16(mul_rn(g, sig)))));
     }
+}
+
+extern "C" __global__ void swiglu_backward_rp_bf16(const float* d, const float* x, float* d_x, long long rows,
+                                                   long long m) {
+    swiglu_backward_rp(d, x, d_x, rows, m);
+}
+
+extern "C" __global__ void swiglu_backward_rp_bf16io(const bf16* d, const bf16* x, bf16* d_x, long long rows,
+                                                     long long m) {
+    swiglu_backward_rp(d, x, d_x, rows, m);
+}
+
+// a float32 d (an expert's gradient summed in fp32) with a bf16 x: d_x in float32
+extern "C" __global__ void swiglu_backward_rp_bf16x(const float* d, const bf16* x, float* d_x, long long rows,
+                                                    long long m) {
+    swiglu_backward_rp(d, x, d_x, rows, m);
 }
 
 // silu_mul: out = silu(gate) * up
@@ -154,6 +180,144 @@ extern "C" __global__ void cast_f32_bf16(const float* x, bf16* out, long long n)
 
 extern "C" __global__ void cast_bf16_f32(const bf16* x, float* out, long long n) {
     for (long long i = first_index(); i < n; i += grid_stride()) out[i] = bf16_to_f32(x[i]);
+}
+
+// add and mul under the bf16 recipe on bf16 tensors as they lie (no widened copies): the entry point's
+// suffix gives the element types of a, b and out (f float32, h bf16), b broadcast as in add_f32; float32
+// math, a bf16 out rounded to nearest even as it is stored (the cast the recipe would apply).
+template <typename TA, typename TB, typename TO>
+__device__ void add_mixed(const TA* a, const TB* b, TO* out, long long n, long long nb) {
+    for (long long i = first_index(); i < n; i += grid_stride())
+        store_f32(out, i, load_f32(a, i) + load_f32(b, i % nb));
+}
+
+template <typename TA, typename TB, typename TO>
+__device__ void mul_mixed(const TA* a, const TB* b, TO* out, long long n, long long nb) {
+    for (long long i = first_index(); i < n; i += grid_stride())
+        store_f32(out, i, load_f32(a, i) * load_f32(b, i % nb));
+}
+
+extern "C" __global__ void add_ffh(const float* a, const float* b, bf16* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_fhf(const float* a, const bf16* b, float* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_fhh(const float* a, const bf16* b, bf16* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_hff(const bf16* a, const float* b, float* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_hfh(const bf16* a, const float* b, bf16* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_hhf(const bf16* a, const bf16* b, float* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void add_hhh(const bf16* a, const bf16* b, bf16* out, long long n, long long nb) {
+    add_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_ffh(const float* a, const float* b, bf16* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_fhf(const float* a, const bf16* b, float* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_fhh(const float* a, const bf16* b, bf16* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_hff(const bf16* a, const float* b, float* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_hfh(const bf16* a, const float* b, bf16* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_hhf(const bf16* a, const bf16* b, float* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+extern "C" __global__ void mul_hhh(const bf16* a, const bf16* b, bf16* out, long long n, long long nb) {
+    mul_mixed(a, b, out, n, nb);
+}
+
+// gelu and its backward under the bf16 recipe on bf16 tensors as they lie: the suffix gives the element types
+// of x and out (gelu) or of d, x and d_x (gelu_backward), f float32, h bf16; gelu_f32's math
+template <typename TX, typename TO>
+__device__ void gelu_mixed(const TX* x, TO* out, long long n, int tanh_approx) {
+    for (long long i = first_index(); i < n; i += grid_stride())
+        store_f32(out, i, gelu_of(load_f32(x, i), tanh_approx));
+}
+
+template <typename TD, typename TX, typename TO>
+__device__ void gelu_backward_mixed(const TD* d, const TX* x, TO* d_x, long long n, int tanh_approx) {
+    for (long long i = first_index(); i < n; i += grid_stride())
+        store_f32(d_x, i, load_f32(d, i) * gelu_grad(load_f32(x, i), tanh_approx));
+}
+
+extern "C" __global__ void gelu_fh(const float* x, bf16* out, long long n, int tanh_approx) {
+    gelu_mixed(x, out, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_hf(const bf16* x, float* out, long long n, int tanh_approx) {
+    gelu_mixed(x, out, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_hh(const bf16* x, bf16* out, long long n, int tanh_approx) {
+    gelu_mixed(x, out, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_ffh(const float* d, const float* x, bf16* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_fhf(const float* d, const bf16* x, float* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_fhh(const float* d, const bf16* x, bf16* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_hff(const bf16* d, const float* x, float* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_hfh(const bf16* d, const float* x, bf16* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_hhf(const bf16* d, const bf16* x, float* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+extern "C" __global__ void gelu_backward_hhh(const bf16* d, const bf16* x, bf16* d_x, long long n,
+                                             int tanh_approx) {
+    gelu_backward_mixed(d, x, d_x, n, tanh_approx);
+}
+
+// float32 values rounded to bf16 and kept as float32 (the recipe's rounding of a float32 slot), without a
+// bf16 copy in between; out may be x's storage
+extern "C" __global__ void round_f32_bf16(const float* x, float* out, long long n) {
+    for (long long i = first_index(); i < n; i += grid_stride()) out[i] = round_bf16(x[i]);
 }
 
 // dropout (kiln.core ops/library/_elementwise.py): element j keeps x * scale when the uniform of counter

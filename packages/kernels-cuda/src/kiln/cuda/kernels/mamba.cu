@@ -206,8 +206,9 @@ extern "C" __global__ void mamba_sum_batch_f32(const float* part, float* out, in
     }
 }
 
-// d_B (or d_C) [B, G or 1, N, T] from the per-channel parts, [B, D, T, N] (the sequential backward's) or with
-// `nt` [B, D, N, T] (the chunked one's): the sum over the group's channels in order. A thread per output element.
+// d_B (or d_C) [B, G or 1, N, T] from the parts, per channel [B, D, T, N] (the sequential backward's) or with
+// `nt` per block of channels [B, D, N, T] (the chunked one's, D there its blocks per batch row): the sum over the
+// group's channels (or blocks) in order. A thread per output element.
 extern "C" __global__ void mamba_sum_group_f32(const float* part, float* out, int Bsz, int D, int T, int N, int G,
                                                int nt) {
     int groups = G ? G : 1, per = D / groups;
@@ -337,7 +338,11 @@ extern "C" __global__ void mamba_scan_chunked_f32(const float* u, const float* d
 // scanned from the last thread down, the carry d_h flowing to the chunk before in shared memory. Per step:
 // d_u, d_delta, d_z; per (b, d, n, t) into scratch, [B, D, N, T]: the parts of d_B and d_C before their sum
 // over a group's channels; per (b, d): d_A's part summed per thread in reverse time, over the block, then over
-// the chunks from the last; d_D's and d_delta_bias's per thread, then over the block. A block per channel.
+// the chunks from the last; d_D's and d_delta_bias's per thread, then over the block.
+// A block runs `per_block` consecutive channels of one group, one after another, and sums their parts of d_B and
+// d_C in its own slice of pB and pC, [B * D / per_block, N, T], in channel order: each (n, t) belongs to one
+// thread, which adds the channels' parts in order (no atomics, the same bits on every run). With per_block the
+// group's size, the slices are d_B and d_C themselves ([B, G, N, T]); else mamba_sum_group_f32 sums the slices.
 extern "C" __global__ void mamba_scan_chunked_backward_f32(const float* d_out, const float* u, const float* delta,
                                                            const float* A, const float* Bm, const float* Cm,
                                                            const float* Dv, const float* z, const float* delta_bias,
@@ -345,100 +350,105 @@ extern "C" __global__ void mamba_scan_chunked_backward_f32(const float* d_out, c
                                                            float* d_u, float* d_delta, float* d_z, float* pB,
                                                            float* pC, float* pA, float* pD, float* pDB,
                                                            float* d_state, int Bsz, int D, int T, int N, int G,
-                                                           int softplus) {
+                                                           int softplus, int per_block) {
     __shared__ float dcarry[SCAN_MAX_N], dA_sum[SCAN_MAX_N];
-    long long w = blockIdx.x;
-    int b = (int)(w / D), d = (int)(w % D), chunk = blockDim.x * SCAN_ITEMS, chunks = (T + chunk - 1) / chunk;
-    for (int n = threadIdx.x; n < N; n += blockDim.x) {
-        dcarry[n] = d_last ? d_last[w * N + n] : 0.0f;
-        dA_sum[n] = 0.0f;
-    }
-    __syncthreads();
-    float dD = 0.0f, dDB = 0.0f, pre;
-    for (int c = chunks - 1; c >= 0; --c) {
-        int t0 = c * chunk + threadIdx.x * SCAN_ITEMS;
-        float uv[SCAN_ITEMS], dt[SCAN_ITEMS], g[SCAN_ITEMS], y[SCAN_ITEMS], du[SCAN_ITEMS], ddt[SCAN_ITEMS];
-#pragma unroll
-        for (int i = 0; i < SCAN_ITEMS; ++i) {
-            bool on = t0 + i < T;
-            long long k = w * T + t0 + i;
-            uv[i] = on ? u[k] : 0.0f;
-            dt[i] = on ? step_dt(delta, delta_bias, k, d, softplus, &pre) : 0.0f;
-            float dy = on && d_out ? d_out[k] : 0.0f;
-            g[i] = on && z ? dy * silu_gate(z[k]) : dy;
-            du[i] = Dv ? g[i] * Dv[d] : 0.0f;
-            y[i] = ddt[i] = 0.0f;
+    long long slot = blockIdx.x;
+    int chunk = blockDim.x * SCAN_ITEMS, chunks = (T + chunk - 1) / chunk;
+    for (int j = 0; j < per_block; ++j) {
+        long long w = slot * per_block + j;
+        int b = (int)(w / D), d = (int)(w % D);
+        for (int n = threadIdx.x; n < N; n += blockDim.x) {  // the thread that read them for the channel before
+            dcarry[n] = d_last ? d_last[w * N + n] : 0.0f;
+            dA_sum[n] = 0.0f;
         }
-        for (int n = 0; n < N; ++n) {
-            float a = A[d * N + n], decay[SCAN_ITEMS], bv[SCAN_ITEMS], cv[SCAN_ITEMS], h[SCAN_ITEMS];
-            Map agg = {1.0f, 0.0f};
+        __syncthreads();
+        float dD = 0.0f, dDB = 0.0f, pre;
+        for (int c = chunks - 1; c >= 0; --c) {
+            int t0 = c * chunk + threadIdx.x * SCAN_ITEMS;
+            float uv[SCAN_ITEMS], dt[SCAN_ITEMS], g[SCAN_ITEMS], y[SCAN_ITEMS], du[SCAN_ITEMS], ddt[SCAN_ITEMS];
 #pragma unroll
             for (int i = 0; i < SCAN_ITEMS; ++i) {
                 bool on = t0 + i < T;
-                bv[i] = on ? Bm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
-                cv[i] = on ? Cm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
-                decay[i] = on ? expf(dt[i] * a) : 1.0f;
-                agg = then(agg, Map{decay[i], (dt[i] * bv[i]) * uv[i]});
+                long long k = w * T + t0 + i;
+                uv[i] = on ? u[k] : 0.0f;
+                dt[i] = on ? step_dt(delta, delta_bias, k, d, softplus, &pre) : 0.0f;
+                float dy = on && d_out ? d_out[k] : 0.0f;
+                g[i] = on && z ? dy * silu_gate(z[k]) : dy;
+                du[i] = Dv ? g[i] * Dv[d] : 0.0f;
+                y[i] = ddt[i] = 0.0f;
             }
-            Map before = scan_maps(agg, false);
-            float h0 = chunk_states[(w * chunks + c) * N + n];
-            float first = before.a * h0 + before.b, hh = first;
+            for (int n = 0; n < N; ++n) {
+                float a = A[d * N + n], decay[SCAN_ITEMS], bv[SCAN_ITEMS], cv[SCAN_ITEMS], h[SCAN_ITEMS];
+                Map agg = {1.0f, 0.0f};
+#pragma unroll
+                for (int i = 0; i < SCAN_ITEMS; ++i) {
+                    bool on = t0 + i < T;
+                    bv[i] = on ? Bm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
+                    cv[i] = on ? Cm[bc_index(b, d, n, t0 + i, D, N, T, G)] : 0.0f;
+                    decay[i] = on ? expf(dt[i] * a) : 1.0f;
+                    agg = then(agg, Map{decay[i], (dt[i] * bv[i]) * uv[i]});
+                }
+                Map before = scan_maps(agg, false);
+                float h0 = chunk_states[(w * chunks + c) * N + n];
+                float first = before.a * h0 + before.b, hh = first;
+#pragma unroll
+                for (int i = 0; i < SCAN_ITEMS; ++i) {
+                    hh = decay[i] * hh + (dt[i] * bv[i]) * uv[i];
+                    h[i] = hh;
+                }
+                Map ragg = {1.0f, 0.0f};
+#pragma unroll
+                for (int i = SCAN_ITEMS - 1; i >= 0; --i) ragg = then(ragg, Map{decay[i], decay[i] * (g[i] * cv[i])});
+                Map later = scan_maps(ragg, true);
+                float acc = later.a * dcarry[n] + later.b, dAt = 0.0f;
+#pragma unroll
+                for (int i = SCAN_ITEMS - 1; i >= 0; --i) {
+                    if (t0 + i >= T) continue;
+                    acc += g[i] * cv[i];  // d_h at this step
+                    float hp = i ? h[i - 1] : first, d_decay = acc * hp * decay[i];
+                    du[i] += acc * dt[i] * bv[i];
+                    ddt[i] += acc * bv[i] * uv[i] + d_decay * a;
+                    dAt += d_decay * dt[i];
+                    y[i] += h[i] * cv[i];
+                    long long k = (slot * N + n) * T + t0 + i;
+                    float vb = acc * dt[i] * uv[i], vc = g[i] * h[i];
+                    pB[k] = j ? pB[k] + vb : vb;
+                    pC[k] = j ? pC[k] + vc : vc;
+                    acc *= decay[i];
+                }
+                float dA = block_sum(dAt);  // its barriers: every thread has read dcarry[n]
+                if (threadIdx.x == 0) {
+                    dcarry[n] = acc;  // what flows into the chunk before
+                    dA_sum[n] += dA;
+                }
+            }
 #pragma unroll
             for (int i = 0; i < SCAN_ITEMS; ++i) {
-                hh = decay[i] * hh + (dt[i] * bv[i]) * uv[i];
-                h[i] = hh;
-            }
-            Map ragg = {1.0f, 0.0f};
-#pragma unroll
-            for (int i = SCAN_ITEMS - 1; i >= 0; --i) ragg = then(ragg, Map{decay[i], decay[i] * (g[i] * cv[i])});
-            Map later = scan_maps(ragg, true);
-            float acc = later.a * dcarry[n] + later.b, dAt = 0.0f;
-#pragma unroll
-            for (int i = SCAN_ITEMS - 1; i >= 0; --i) {
                 if (t0 + i >= T) continue;
-                acc += g[i] * cv[i];  // d_h at this step
-                float hp = i ? h[i - 1] : first, d_decay = acc * hp * decay[i];
-                du[i] += acc * dt[i] * bv[i];
-                ddt[i] += acc * bv[i] * uv[i] + d_decay * a;
-                dAt += d_decay * dt[i];
-                y[i] += h[i] * cv[i];
-                long long k = (w * N + n) * T + t0 + i;
-                pB[k] = acc * dt[i] * uv[i];
-                pC[k] = g[i] * h[i];
-                acc *= decay[i];
-            }
-            float dA = block_sum(dAt);  // its barriers: every thread has read dcarry[n]
-            if (threadIdx.x == 0) {
-                dcarry[n] = acc;  // what flows into the chunk before
-                dA_sum[n] += dA;
+                long long k = w * T + t0 + i;
+                float dpre = ddt[i];
+                step_dt(delta, delta_bias, k, d, softplus, &pre);
+                if (softplus) dpre *= 0.5f * (1.0f + tanhf(0.5f * pre));
+                float dzv = 0.0f;
+                if (z) {
+                    float s = 0.5f * (1.0f + tanhf(0.5f * z[k])), yv = Dv ? y[i] + uv[i] * Dv[d] : y[i];
+                    dzv = (d_out ? d_out[k] : 0.0f) * yv * (s * (1.0f + z[k] * (1.0f - s)));
+                }
+                d_u[k] = du[i];
+                d_delta[k] = dpre;
+                d_z[k] = dzv;
+                dD += g[i] * uv[i];
+                dDB += dpre;
             }
         }
-#pragma unroll
-        for (int i = 0; i < SCAN_ITEMS; ++i) {
-            if (t0 + i >= T) continue;
-            long long k = w * T + t0 + i;
-            float dpre = ddt[i];
-            step_dt(delta, delta_bias, k, d, softplus, &pre);
-            if (softplus) dpre *= 0.5f * (1.0f + tanhf(0.5f * pre));
-            float dzv = 0.0f;
-            if (z) {
-                float s = 0.5f * (1.0f + tanhf(0.5f * z[k])), yv = Dv ? y[i] + uv[i] * Dv[d] : y[i];
-                dzv = (d_out ? d_out[k] : 0.0f) * yv * (s * (1.0f + z[k] * (1.0f - s)));
-            }
-            d_u[k] = du[i];
-            d_delta[k] = dpre;
-            d_z[k] = dzv;
-            dD += g[i] * uv[i];
-            dDB += dpre;
+        float sD = block_sum(dD), sDB = block_sum(dDB);  // their barriers: thread 0's last writes are done
+        if (threadIdx.x == 0) {
+            pD[w] = sD;
+            pDB[w] = sDB;
         }
-    }
-    float sD = block_sum(dD), sDB = block_sum(dDB);  // their barriers: thread 0's last writes are done
-    if (threadIdx.x == 0) {
-        pD[w] = sD;
-        pDB[w] = sDB;
-    }
-    for (int n = threadIdx.x; n < N; n += blockDim.x) {
-        pA[w * N + n] = dA_sum[n];
-        if (d_state) d_state[w * N + n] = dcarry[n];
+        for (int n = threadIdx.x; n < N; n += blockDim.x) {
+            pA[w * N + n] = dA_sum[n];
+            if (d_state) d_state[w * N + n] = dcarry[n];
+        }
     }
 }
