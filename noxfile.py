@@ -116,8 +116,10 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(name="bench-gpu", reuse_venv=True)
 def bench_gpu(session: nox.Session) -> None:
-    """A training step on kiln's `cuda` backend beside the NumPy backend (packages/kernels-cuda/bench)."""
-    _install_editable(session)
+    """A training step of a Qwen3-0.6B-shaped model on kiln's `cuda` backend (fp32 and bf16 recipes)
+    against transformers eager and torch.compile on the same GPU (packages/kernels-cuda/bench/bench_gpu.py;
+    docs/performance.md, "GPU (bench-gpu)"). Arguments go to the script (`-- --dry-run`: no GPU needed)."""
+    _install_editable(session, "torch", "transformers", "nvmath-python[cu13]>=1.0", "ml-dtypes")
     session.run("python", "packages/kernels-cuda/bench/bench_gpu.py", *session.posargs)
 
 
@@ -133,3 +135,22 @@ def dist(session: nox.Session) -> None:
     """kiln-dist's multi-rank tests on 4 MPI ranks (the default run uses 2)."""
     _install_editable(session, *TEST_TOOLS)
     session.run("pytest", "packages/dist/tests", *session.posargs, env={"KILN_DIST_RANKS": "4"})
+
+
+@nox.session(name="gpu-bundle", reuse_venv=True)
+def gpu_bundle(session: nox.Session) -> None:
+    """Fill .gpu/ with the wheels a GPU machine without network needs (tools/gpu_bundle.py): kiln's own,
+    built here, and the third-party ones its image lacks, for CPython 3.12. Carry .gpu there and run
+    tools/gpu_run.sh (docs/cuda.md, "Running on a GPU machine"). Arguments go to the script."""
+    # pip: the script's builder and downloader (uv's venvs have none); hatchling: no isolated build env
+    session.install("pip", *BUILD_REQUIRES)
+    session.run("python", "tools/gpu_bundle.py", *session.posargs)
+
+
+@nox.session(name="gpu-bundle-check", reuse_venv=True)
+def gpu_bundle_check(session: nox.Session) -> None:
+    """tests/test_gpu_bundle.py in full: a bundle for this Python (downloads), installed with --no-index
+    beside a stand-in for the GPU image, and the runner's steps there (every GPU test skips, saying why)."""
+    _install_editable(session, "pip", *TEST_TOOLS)  # pip: the bundle's builder, and the runner's installer
+    session.run("pytest", "tests/test_gpu_bundle.py", "-rs", *session.posargs,
+                env={"KILN_GPU_BUNDLE_FULL": "1"})
