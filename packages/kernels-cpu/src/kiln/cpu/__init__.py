@@ -7,10 +7,12 @@ build the kernels. See docs/performance.md.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from kiln.cpu._build import build, cache_dir
 from kiln.cpu._kernels import OPS
 from kiln.cpu._plugin import ENV, available, enabled, unavailable_reason
 
-__version__ = "0.1.0"
+__version__ = version("kiln-kernels-cpu")
 
 __all__ = ["ENV", "OPS", "available", "build", "cache_dir", "enabled", "unavailable_reason"]
