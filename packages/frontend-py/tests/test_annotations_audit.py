@@ -5,11 +5,11 @@ LoRA adapter trained, saved and loaded by PEFT (``parity``)."""
 
 import numpy as np
 import pytest
-from kiln_dsl_annotated import C, V, lm
 
 from kiln.core import Model
 from kiln.dsl import build_bundle
 from kiln.dsl.annotations import assert_, frozen, hook, probe, trainable
+from kiln.dsl.testing import C, V, lm
 
 
 def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -4,8 +4,6 @@
 
 import numpy as np
 import pytest
-from kiln_dsl_annotated import C, V
-from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import Model, compile
 from kiln.dsl import (
@@ -23,6 +21,8 @@ from kiln.dsl import (
     model,
 )
 from kiln.dsl.annotations import gradient, memory, probe
+from kiln.dsl.testing import C, V
+from kiln.dsl.testing import lm as annotated_lm
 
 
 def lm(name: str, *h_ann: object) -> type:

@@ -9,12 +9,12 @@ every other op as the recipe says) and rounded to bfloat16 with ml_dtypes at tho
 
 import numpy as np
 import pytest
-from kiln_dsl_annotated import C, V
-from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import KilnError, Model
 from kiln.dsl import B, Param, T, Tensor, build_bundle, forward, graph, model
 from kiln.dsl.annotations import dtype, precision, scaling
+from kiln.dsl.testing import C, V
+from kiln.dsl.testing import lm as annotated_lm
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes (kiln-core[bf16])")
 

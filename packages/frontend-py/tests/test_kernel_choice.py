@@ -8,13 +8,13 @@ the table's choice (``matmul@numpy:*``), with it the named kernel or the referen
 
 import numpy as np
 import pytest
-from kiln_dsl_annotated import V
-from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import KilnError, Model, compile
 from kiln.core.cli import main
 from kiln.dsl import B, Param, T, Tensor, build_bundle, forward, graph, model
 from kiln.dsl.annotations import kernel, nofuse
+from kiln.dsl.testing import V
+from kiln.dsl.testing import lm as annotated_lm
 
 BINDS = {"B": 2, "T": 4}
 

@@ -9,12 +9,12 @@ checks the values against float64 and torch's autocast.
 
 import numpy as np
 import pytest
-from kiln_dsl_annotated import V
-from kiln_dsl_annotated import lm as annotated_lm
 
 from kiln.core import Model
 from kiln.dsl import build_bundle
 from kiln.dsl.annotations import precision
+from kiln.dsl.testing import V
+from kiln.dsl.testing import lm as annotated_lm
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes (kiln-core[bf16])")
 

@@ -8,50 +8,21 @@ ml_dtypes there. The fused pass computes as the recipe computes the head, so ``c
 steps of a head an annotation moves off the recipe (on every backend) rather than fusing it in the
 recipe's type."""
 
-# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
-
 import numpy as np
 import pytest
 
 from kiln.core import Model
-from kiln.dsl import B, Param, T, Tensor, build_bundle, forward, graph, model
+from kiln.dsl import build_bundle
 from kiln.dsl.annotations import precision
+from kiln.dsl.testing import V, head_lm
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes (kiln-core[bf16])")
 
-V, C = 16, 8
 
 
 def r(x: np.ndarray) -> np.ndarray:
     """Round to bfloat16 (float64 values)."""
     return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
-def head_lm(name: str, *anns: object) -> type:
-    """``loss = lm_head_loss(x @ w^T, head)``, ``anns`` on the loss."""
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C):
-            self.vocab_size, self.d_model = vocab_size, d_model
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        w = Param(Tensor["d_model", "d_model", "fp32"])
-        head = Param(Tensor["vocab_size", "d_model", "fp32"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x = g.view(g.embedding(token_ids, "embedding"), shape=[B * T, "d_model"])
-                y = g.matmul(x, "w", transpose="NT", out_name="y")
-                return g.annotate(g.fused_lm_head_loss(y, "head", targets, out_name="loss"), *anns)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
 
 
 def oracle(p: dict[str, np.ndarray], ids: np.ndarray, labels: np.ndarray, recipe: str,

@@ -9,8 +9,6 @@ a value by 1e-6 of its scale, and such a move can flip one bf16 rounding downstr
 and losses are compared to 1e-5 (the ``fp32`` recipe's bound in ``test_backend.py``), far below what the
 annotation changes (checked in each case)."""
 
-# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
-
 import numpy as np
 import pytest
 
@@ -19,56 +17,16 @@ from kiln.cuda import EmulatedCuda, EmulatedDevice, _device
 
 pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes")
 dsl = pytest.importorskip("kiln.dsl", reason="the annotated model is written in kiln-dsl")
-from kiln.dsl import Array, B, Param, T, Tensor, block, build_bundle, forward, graph, model  # noqa: E402
+from kiln.dsl import build_bundle, testing  # noqa: E402
 from kiln.dsl.annotations import dtype, precision  # noqa: E402
 
-V, C = 16, 8
+V, C = testing.V, testing.C
 
 
 def lm(name: str, *h_ann: object) -> type:
-    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss; ``h_ann`` annotate
-    ``h = x @ w1^T``."""
-
-    class Up:
-        def __init__(self, d_model: int):
-            self.d_model = d_model
-
-        w1 = Param(Tensor["d_model", "d_model", "fp32"])
-        w2 = Param(Tensor["d_model", "d_model", "fp32"])
-
-        @forward
-        def forward(self, x: Tensor["B", "T", "d_model", "fp32"]) -> Tensor["B", "T", "d_model", "fp32"]:
-            with graph() as g:
-                x_flat = g.view(x, shape=[B * T, "d_model"])
-                h = g.annotate(g.matmul(x_flat, "w1", transpose="NT"), *h_ann)
-                out = g.matmul(g.silu(h), "w2", transpose="NT")
-                return g.add(x, g.view(out, shape=[B, T, "d_model"]))
-
-    Up.__name__ = Up.__qualname__ = f"{name}Block"
-
-    class PrecisionLM:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 1):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        head = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Block"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "head", targets)
-
-    PrecisionLM.__name__ = PrecisionLM.__qualname__ = name
-    block(Up)
-    return model(PrecisionLM)
+    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss (an untied head);
+    ``h_ann`` annotate ``h = x @ w1^T``."""
+    return testing.lm(name, h_ann=h_ann, head=True)
 
 
 CASES = {  # id: (recipe, annotations of h, h's compute under the override, whether h holds bf16)

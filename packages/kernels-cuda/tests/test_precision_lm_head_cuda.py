@@ -4,8 +4,6 @@ head), so it trains as NumPy's emulation of the override (the oracle; kiln-dsl's
 ``test_precision_lm_head.py`` checks that one against float64), and the roofline does not count a
 fusion that is not run. Under the ``bf16`` recipe alone the Program names the bf16 pass it runs."""
 
-# ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
-
 import numpy as np
 import pytest
 
@@ -14,38 +12,11 @@ from kiln.cuda import EmulatedCuda, EmulatedDevice
 
 pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes")
 dsl = pytest.importorskip("kiln.dsl", reason="the annotated model is written in kiln-dsl")
-from kiln.dsl import B, Param, T, Tensor, build_bundle, forward, graph, model  # noqa: E402
+from kiln.dsl import build_bundle  # noqa: E402
 from kiln.dsl.annotations import precision  # noqa: E402
+from kiln.dsl.testing import V, head_lm  # noqa: E402
 
-V, C = 16, 8
 FUSED = "fused_lm_head_loss_and_grad"
-
-
-def head_lm(name: str, *anns: object) -> type:
-    """``loss = lm_head_loss(x @ w^T, head)``, ``anns`` on the loss."""
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C):
-            self.vocab_size, self.d_model = vocab_size, d_model
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        w = Param(Tensor["d_model", "d_model", "fp32"])
-        head = Param(Tensor["vocab_size", "d_model", "fp32"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x = g.view(g.embedding(token_ids, "embedding"), shape=[B * T, "d_model"])
-                y = g.matmul(x, "w", transpose="NT", out_name="y")
-                return g.annotate(g.fused_lm_head_loss(y, "head", targets, out_name="loss"), *anns)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
 
 
 CASES = {  # id: (recipe, annotation on the loss, where the head computes)

@@ -1,5 +1,7 @@
-"""The tiny annotated model the annotation tests share (importable as ``kiln_dsl_annotated``; see
-``conftest.py``): ``x + silu(x @ w1^T) @ w2^T`` in a stack of blocks, then the LM head's loss."""
+"""Tiny models for tests, kiln's own and a plugin's (a backend's kernels against the NumPy backend, say):
+:func:`lm`, ``x + silu(x @ w1^T) @ w2^T`` in a stack of blocks, then the LM head's loss, with
+annotations where a test puts them; :func:`head_lm`, one product and the LM head's loss, annotations on
+the loss. Vocabulary ``V`` and width ``C`` by default."""
 
 # ruff: noqa: F821  (dimension names inside Tensor[...] annotations are not Python names)
 
@@ -57,6 +59,34 @@ def lm(name: str, *, h_ann: tuple = (), w_ann: tuple = (), cls_ann: tuple = (), 
                 x0 = g.embedding(token_ids, "embedding")
                 xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
                 return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), head_name, targets)
+
+    Lm.__name__ = Lm.__qualname__ = name
+    return model(Lm)
+
+
+def head_lm(name: str, *anns: object) -> type:
+    """The model ``name``: ``loss = lm_head_loss(x @ w^T, head)`` of the token embeddings ``x``, ``anns``
+    on the loss."""
+
+    class Lm:
+        def __init__(self, vocab_size: int = V, d_model: int = C):
+            self.vocab_size, self.d_model = vocab_size, d_model
+
+        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
+        w = Param(Tensor["d_model", "d_model", "fp32"])
+        head = Param(Tensor["vocab_size", "d_model", "fp32"])
+
+        @forward
+        def forward(
+            self,
+            token_ids: Tensor["B", "T", "int32"],
+            position_ids: Tensor["T", "int32"],
+            targets: Tensor["B", "T", "int32"],
+        ) -> Tensor["B * T", "fp32"]:
+            with graph() as g:
+                x = g.view(g.embedding(token_ids, "embedding"), shape=[B * T, "d_model"])
+                y = g.matmul(x, "w", transpose="NT", out_name="y")
+                return g.annotate(g.fused_lm_head_loss(y, "head", targets, out_name="loss"), *anns)
 
     Lm.__name__ = Lm.__qualname__ = name
     return model(Lm)
