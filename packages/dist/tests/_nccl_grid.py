@@ -6,7 +6,10 @@ the id it was made from (which world rank made it), the GPU it took and the sum.
 
 ``python _nccl_grid.py OUT DEGREE train`` trains ``_tp_worker.py``'s tiny Qwen3-MoE data x tensor
 parallel over that grid on kiln-kernels-cuda's emulated ``cuda`` backend (its memory is host memory,
-which the stand-in's collectives read) and writes the losses and the gathered whole parameters."""
+which the stand-in's collectives read) and writes the losses and the gathered whole parameters.
+
+``python _nccl_grid.py OUT DEGREE tp`` trains a tiny Qwen3 tensor parallel over ``nccl-tp`` alone, on
+the emulated ``cuda`` backend, counting what tensor parallelism's kernels copy to the host."""
 
 from __future__ import annotations
 
@@ -63,8 +66,73 @@ def train(out: str, degree: int) -> None:
                  **{f"param:{k}": v for k, v in whole.items()})
 
 
+def tensor_parallel(out: str, degree: int) -> None:
+    """A tiny Qwen3 tensor parallel over ``nccl-tp`` on the emulated ``cuda`` backend; besides its losses
+    and gathered parameters, what tensor parallelism's kernels read back to the host that is not a token
+    id or target (an activation: none), how many ran, and what the group's collectives were handed."""
+    from pathlib import Path
+    from typing import Any
+
+    from kiln.core import PluginSession
+    from kiln.cuda import EmulatedCuda, EmulatedDevice
+    from kiln.dist import TensorParallel, _cuda, _plugin, gather_state
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _tp_worker as worker
+
+    class Counting(EmulatedDevice):
+        """Counts the bytes read back to the host while a tensor-parallel kernel runs, but the ids'."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ids: set[int] = set()
+            self.active, self.activations = False, 0
+
+        def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
+            if self.active and ptr not in self.ids:
+                self.activations += nbytes
+            return super().copy_to_host(ptr, nbytes)
+
+    device, calls = Counting(), {}
+
+    def counted(op: str, fn: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> None:
+            device.ids = {a.ptr for a in args if a is not None and a.dtype == "int32"}
+            device.active, calls[op] = True, calls.get(op, 0) + 1
+            try:
+                fn(*args, **kw)
+            finally:
+                device.active = False
+        return run
+
+    _cuda.CUDA_TP_KERNELS = tuple((op, counted(op, fn)) for op, fn in _cuda.CUDA_TP_KERNELS)
+    session = PluginSession(autoload=False)
+    session.register(_plugin, "kiln-dist")
+    session.register(EmulatedCuda(device), "cuda-emulated")
+    with session.activate():
+        _, tp = grid(degree, backend="cuda")
+        group = get_registry("communicators")[tp]
+        handed: set[str] = set()
+        def spying(fn: Any) -> Any:
+            def spy(*args: Any, **kw: Any) -> Any:
+                if device.active:  # in a tensor-parallel kernel (the step's loss and norm are others')
+                    handed.add(type(args[0]).__name__)
+                return fn(*args, **kw)
+            return spy
+
+        for name in ("all_reduce", "all_gather"):
+            setattr(group, name, spying(getattr(group, name)))
+        model, stats = worker.train((group.rank, group.world_size), "Qwen3Model", TensorParallel(tp), "cuda")
+        whole = gather_state(model)["parameters"]
+        np.savez(f"{out}/rank{MPI.COMM_WORLD.Get_rank()}.npz", stats=np.array(stats),
+                 activations=device.activations, handed=np.array(sorted(handed)),
+                 ops=np.array(sorted(calls)), **{f"param:{k}": v for k, v in whole.items()})
+
+
 if __name__ == "__main__":
-    if sys.argv[3:4] == ["train"]:
+    if sys.argv[3:4] == ["tp"]:
+        tensor_parallel(sys.argv[1], int(sys.argv[2]))
+    elif sys.argv[3:4] == ["train"]:
         train(sys.argv[1], int(sys.argv[2]))
     else:
         main(sys.argv[1], int(sys.argv[2]))

@@ -56,8 +56,8 @@ def test_nccl_without_nccl4py_and_an_unknown_communicator_are_errors() -> None:
 
 
 def test_data_by_tensor_parallel_on_the_nccl_grid_on_emulated_cuda_equals_one_process(tmp_path: Path) -> None:
-    """The gradient buckets (over ``nccl-dp``, 4 ranks) and the clipping norm (over both) as device
-    collectives, tensor parallelism's through the communicators' host path: one process's losses,
+    """The gradient buckets (over ``nccl-dp``, 4 ranks), the clipping norm (over both) and tensor
+    parallelism's ops (over ``nccl-tp``) as device collectives: one process's losses,
     clipped-by norms and weights (float32 sums in another order)."""
     if "KILN_DIST_RANKS" not in os.environ:
         pytest.skip("half a minute of emulated kernels on every rank: nox -s dist runs it")
@@ -81,3 +81,41 @@ def test_data_by_tensor_parallel_on_the_nccl_grid_on_emulated_cuda_equals_one_pr
         np.testing.assert_allclose(rank["stats"], stats, rtol=1e-4)
         for k, v in full.parameters().items():
             assert np.linalg.norm(rank[f"param:{k}"] - v) <= 1e-4 * np.linalg.norm(v), k
+
+
+PICK = """
+import json, sys
+from mpi4py import MPI
+from kiln.core import PluginSession
+from kiln.dist import _communicators
+from kiln.hf._train import TrainConfig, _data_parallel
+
+_communicators.gpu_count = lambda: 2
+_communicators.use_gpu = lambda gpu: None
+picked = []
+for backend, tensor in (("cuda", 2), ("cuda:0", 1), ("numpy", 2), ("numpy", 1)):
+    with PluginSession().activate():
+        config = TrainConfig({"parallel": {"tensor": tensor, "ranks": None, "zero": False, "overlap": False},
+                              "train": {"backend": backend, "mode": "full", "batch_size": 2}})
+        par = _data_parallel(config)
+        dp = getattr(par, "data_parallel", None)
+        picked.append([backend, tensor, par.comm, None if dp is None else dp.comm])
+if MPI.COMM_WORLD.Get_rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(picked, f)
+"""
+
+
+def test_kiln_train_picks_the_nccl_communicators_on_the_cuda_backend(tmp_path: Path) -> None:
+    """``kiln train``'s ``[parallel]`` under 2 MPI ranks with nccl4py installed (the stand-in): a run on
+    the ``cuda`` backend shares the batch over ``nccl`` and slices the model over the ``nccl`` grid; on
+    ``numpy`` both stay MPI's."""
+    pytest.importorskip("kiln.hf", reason="kiln train is kiln-hf's")
+    import json
+
+    script = tmp_path / "pick.py"
+    script.write_text(PICK)
+    assert launch(2, [str(script), str(tmp_path / "picked.json")], env=ENV) == 0
+    assert json.loads((tmp_path / "picked.json").read_text()) == [
+        ["cuda", 2, "nccl-tp", None], ["cuda:0", 1, "nccl", None],
+        ["numpy", 2, "mpi-tp", None], ["numpy", 1, "mpi", None]]

@@ -27,6 +27,12 @@ below); an overlapped bucket stays in flight in its planned buffer, the op's las
 (``buffer=1``, a ``buffer`` slot of the arena from ``SyncPlan.buffers``). A training step so
 allocates nothing.
 
+Tensor parallelism's ops (``tp_copy``, ``tp_all_reduce``, the vocabulary-parallel ops; float32) run
+their collectives on device buffers on the compute stream too, their local parts composed of
+``kiln.cuda``'s public launch functions (matmul, embedding, cross-entropy, the fused LM head loss),
+temporaries in the step's workspace: no activation goes to the host. The token ids and targets do,
+to map them into the rank's rows (``kiln.cuda`` has no integer kernels).
+
 Any other communicator (``mpi`` takes host NumPy arrays), and a dtype a device collective does not
 take, runs the op's NumPy reference on host copies, as the backend does for an op without a kernel.
 In the backend's dry run that sizes kernel temporaries (a device named ``sizing``) they take the
@@ -38,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kiln.core import KilnError
@@ -54,7 +61,7 @@ from kiln.dist._ops import (
     sharded_grad_norm,
 )
 
-__all__ = ["CUDA_KERNELS", "CudaBuffer", "on_device"]
+__all__ = ["CUDA_KERNELS", "CUDA_TP_KERNELS", "CudaBuffer", "on_device"]
 
 #: the dtypes a device collective takes as they are (others run on host copies)
 DEVICE_DTYPES = ("float32", "float64", "float16")
@@ -453,3 +460,296 @@ CUDA_KERNELS = (("bucket_all_reduce", cuda_bucket_all_reduce),
                 ("bucket_reduce_scatter_start", cuda_bucket_reduce_scatter_start),
                 ("bucket_reduce_scatter_wait", cuda_bucket_reduce_scatter_wait),
                 ("sharded_grad_norm", cuda_sharded_grad_norm))
+
+
+# -- tensor parallelism: tp_copy / tp_all_reduce and the vocabulary-parallel ops
+
+
+def _ew(dev: Any, kernel: str, n: int, args: tuple[Any, ...]) -> None:
+    """An elementwise (grid-stride) kernel of ``kiln.cuda`` over ``n`` elements."""
+    from kiln.cuda import THREADS
+
+    if n:
+        dev.launch(kernel, (max(1, min(-(-n // THREADS), 4096)),), (THREADS,), args)
+
+
+def _tp_comm(communicator: str, arrays: Sequence[Any]) -> Any:
+    """The communicator of a tensor-parallel op when its collective runs on device buffers (float32
+    tensors, a communicator that takes them), else None: the host path (which a dry run skips, as it
+    does where the communicator is not registered)."""
+    from kiln.core import get_registry
+
+    if _dry(arrays) and communicator not in get_registry("communicators"):
+        return None
+    comm = _communicator(communicator)
+    if not getattr(comm, "device_buffers", False) or any(a.dtype != "float32" for a in arrays):
+        return None
+    return comm
+
+
+def _host_op(reference: Callable[..., Any], ins: Sequence[Any], outs: Sequence[Any],
+             attrs: dict[str, Any]) -> None:
+    """The op's NumPy reference on host copies of ``ins``, its results written to ``outs`` (the host
+    path, for a communicator that takes host arrays)."""
+    present = [a for a in (*ins, *outs) if a is not None]
+    if _dry(present):
+        return
+    dev = present[0].device
+    dev.synchronize()
+    hosts = [None if a is None else
+             dev.copy_to_host(a.ptr, a.nbytes).view(_np_dtype(a.dtype)).reshape(a.shape) for a in ins]
+    got = reference(*hosts, **attrs)
+    for o, h in zip(outs, got if isinstance(got, tuple) else (got,), strict=True):
+        if o is not None:
+            dev.copy_to_device(o.ptr, np.ascontiguousarray(np.asarray(h, _np_dtype(o.dtype))))
+
+
+def _ids(ids: Any) -> np.ndarray:
+    """The token ids (or targets) on the host, to map into this rank's rows: kiln.cuda has no integer
+    kernels yet, so these (never an activation) are read back; zeros in a dry run."""
+    dev = ids.device
+    dev.synchronize()
+    host = dev.copy_to_host(ids.ptr, ids.nbytes).view(_np_dtype(ids.dtype)).reshape(ids.shape)
+    return host.astype(np.int64)
+
+
+def _int32(s: Any, dev: Any, values: np.ndarray) -> Any:
+    """``values`` as an int32 array of the step's workspace."""
+    arr = s.array(values.shape, "int32")
+    dev.copy_to_device(arr.ptr, np.ascontiguousarray(values, np.int32))
+    return arr
+
+
+def cuda_tp_copy(x: Any, *, out: Sequence[Any], communicator: str) -> None:
+    """``tp_copy`` on the device: the input as it is (a device copy; its gradient's ``tp_all_reduce``
+    is the collective)."""
+    if out[0] is not None and out[0].ptr != x.ptr:
+        x.device.copy(out[0].ptr, x.ptr, x.nbytes)
+
+
+def cuda_tp_all_reduce(x: Any, *, out: Sequence[Any], communicator: str) -> None:
+    """``tp_all_reduce`` on the device: the input copied into the output, summed there over the ranks by
+    the communicator's device all-reduce on the compute stream (no host copy)."""
+    from kiln.dist._tensor import _tp_all_reduce
+
+    comm = _tp_comm(communicator, [x])
+    if comm is None:
+        _host_op(_tp_all_reduce, [x], out, {"communicator": communicator})
+        return
+    dev, o = x.device, out[0]
+    if o.ptr != x.ptr:
+        dev.copy(o.ptr, x.ptr, x.nbytes)
+    if not _dry([x]):
+        comm.all_reduce(CudaBuffer(o.ptr, o.size, o.dtype), stream=_stream(dev))
+
+
+def _local_ids(ids: np.ndarray, rows: int, communicator: str, op: str, ignore: int | None = None,
+               vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The ids relative to this rank's first row and where they fall in its rows (the reference's
+    mapping, and its error naming the op for an id outside the vocabulary)."""
+    from kiln.dist._vocab import _local
+
+    return _local(ids, rows, communicator, op, ignore, vocab)
+
+
+def cuda_vocab_parallel_embedding(ids: Any, weight: Any, *, out: Sequence[Any], communicator: str,
+                                  padding_idx: int | None = None, vocab_size: int | None = None) -> None:
+    """The masked lookup on the device: ``kiln.cuda``'s embedding kernel over the ids relative to this
+    rank's rows (0 for the others), times a 0/1 row mask (itself an embedding of a two-row table)."""
+    from kiln.cuda import Scratch, embedding
+    from kiln.dist._vocab import _embedding
+
+    comm = _tp_comm(communicator, [weight])
+    if comm is None:
+        _host_op(_embedding, [ids, weight], out, {"communicator": communicator, "padding_idx": padding_idx,
+                                                  "vocab_size": vocab_size})
+        return
+    dev, o = weight.device, out[0]
+    rows, c = weight.shape
+    rel, mine = _local_ids(_ids(ids), rows, communicator, "vocab_parallel_embedding", vocab=vocab_size)
+    with Scratch(dev) as s:
+        rel_d = _int32(s, dev, np.where(mine, rel, 0))
+        mask_d = _int32(s, dev, mine.astype(np.int32))
+        table, mask = s.array((2, c)), s.array((ids.size, c))
+        _ew(dev, "fill_f32", c, (table.ptr, 0.0, c))
+        _ew(dev, "fill_f32", c, (table.ptr + 4 * c, 1.0, c))
+        embedding(rel_d, weight, out=(o,))
+        embedding(mask_d, table, out=(mask,))
+        _ew(dev, "mul_f32", o.size, (o.ptr, mask.ptr, o.ptr, o.size, o.size))
+
+
+def cuda_vocab_parallel_embedding_backward(d_out: Any, ids: Any, *, out: Sequence[Any], communicator: str,
+                                           num_embeddings: int, padding_idx: int | None = None,
+                                           vocab_size: int | None = None) -> None:
+    """This rank's rows of the scatter-add on the device: ``kiln.cuda``'s embedding backward over the ids
+    relative to its rows (-1, matching no row, for the others)."""
+    from kiln.cuda import Scratch, embedding_backward
+    from kiln.dist._vocab import _embedding_backward
+
+    comm = _tp_comm(communicator, [d_out])
+    attrs = {"communicator": communicator, "num_embeddings": num_embeddings, "padding_idx": padding_idx,
+             "vocab_size": vocab_size}
+    if comm is None:
+        _host_op(_embedding_backward, [d_out, ids], out, attrs)
+        return
+    dev = d_out.device
+    rel, mine = _local_ids(_ids(ids), num_embeddings, communicator, "vocab_parallel_embedding_backward",
+                           vocab=vocab_size)
+    pad = None if padding_idx is None else padding_idx - comm.rank * num_embeddings
+    with Scratch(dev) as s:
+        rel_d = _int32(s, dev, np.where(mine, rel, -1))
+        embedding_backward(d_out.reshape((ids.size, d_out.shape[-1])), rel_d, out=out,
+                           num_embeddings=num_embeddings,
+                           padding_idx=pad if pad is not None and 0 <= pad < num_embeddings else None)
+
+
+def _first_rows(a: Any, n: int) -> Any:
+    """The first ``n`` rows of the device array ``a`` (a view)."""
+    return attrs.evolve(a, shape=(n, *a.shape[1:]))
+
+
+def _real_rows(weight: Any, comm: Any, vocab: int | None) -> int:
+    """How many of this rank's rows are in the vocabulary (the padding rows past ``vocab`` have
+    ``-inf`` logits: left out)."""
+    rows = weight.shape[0]
+    return rows if vocab is None else max(0, min(rows, vocab - comm.rank * rows))
+
+
+def cuda_vocab_parallel_logits(x: Any, weight: Any, *, out: Sequence[Any], communicator: str,
+                               softcap: float | None = None, vocab_size: int | None = None) -> None:
+    """Each rank's ``x @ w_r^T`` (``kiln.cuda``'s matmul, soft-capped) in the step's workspace, all-gathered
+    on the device, each rank's columns copied into place (strided copies; the padding rows dropped)."""
+    from kiln.cuda import Scratch, matmul, strided_copy
+    from kiln.dist._vocab import _gathered_logits
+
+    comm = _tp_comm(communicator, [x, weight])
+    if comm is None:
+        _host_op(_gathered_logits, [x, weight], out,
+                 {"communicator": communicator, "softcap": softcap, "vocab_size": vocab_size})
+        return
+    dev, o = x.device, out[0]
+    n, rows, world = x.shape[0], weight.shape[0], comm.world_size
+    whole = o.shape[1]
+    with Scratch(dev) as s:
+        z, parts = s.array((n, rows)), s.array((world, n, rows))
+        matmul(x, weight, out=(z,), transpose="NT")
+        if softcap is not None:
+            _ew(dev, "softcap_f32", z.size, (z.ptr, z.size, softcap))
+        if _dry([x]):
+            dev.copy(parts.ptr, z.ptr, z.nbytes)
+        else:
+            comm.all_gather(CudaBuffer(z.ptr, z.size, "float32"),
+                            CudaBuffer(parts.ptr, parts.size, "float32"), stream=_stream(dev))
+        for r in range(world):
+            cols = min(rows, whole - r * rows)
+            if cols > 0 and n:
+                strided_copy(parts, o, (n, cols), (rows, 1), (whole, 1), r * n * rows, r * rows)
+
+
+def _targets(targets: Any, rows: int, communicator: str, op: str, ignore: int,
+             vocab: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The targets (global), relative to this rank's rows, and where they fall in them."""
+    t = _ids(targets)
+    rel, mine = _local_ids(t, rows, communicator, op, ignore, vocab)
+    return t, rel, mine
+
+
+def cuda_vocab_parallel_lm_head_loss(x: Any, weight: Any, targets: Any, *, out: Sequence[Any],
+                                     communicator: str, ignore_index: int, softcap: float | None,
+                                     vocab_size: int | None = None) -> None:
+    """The distributed cross-entropy on the device: ``kiln.cuda``'s ``fused_lm_head_loss`` over this rank's
+    rows of the vocabulary gives each row's log-sum-exp there and, where the row's target is in them,
+    ``lse_r - z_target``; one all-gather of both (2N numbers a rank); the whole log-sum-exp is the
+    cross-entropy kernel's over the ranks' ``lse_r`` (a row of ``world`` logits, the target being the
+    rank that holds it), and the loss that plus the holder's ``lse_r - z_target``."""
+    from kiln.cuda import Scratch, cross_entropy, fused_lm_head_loss, strided_copy
+    from kiln.dist._vocab import _loss
+
+    attrs = {"communicator": communicator, "ignore_index": ignore_index, "softcap": softcap,
+             "vocab_size": vocab_size}
+    comm = _tp_comm(communicator, [x, weight])
+    if comm is None:
+        _host_op(_loss, [x, weight, targets], out, attrs)
+        return
+    dev, n, rows, world = x.device, x.shape[0], weight.shape[0], comm.world_size
+    real = _real_rows(weight, comm, vocab_size)
+    t, rel, mine = _targets(targets, rows, communicator, "vocab_parallel_lm_head_loss", ignore_index,
+                             vocab_size)
+    with Scratch(dev) as s:
+        loss_out, lse_out = s.out(out[0], (n,)), s.out(out[1], (n,))
+        mine_d = _int32(s, dev, np.where(mine, rel, -1))
+        owner_d = _int32(s, dev, np.where(t != ignore_index, t // rows, -1))  # the rank holding the target
+        local, gathered = s.array((2, n)), s.array((world, 2, n))  # lse_r | lse_r - z_target (0: not held)
+        held, ranks = s.array((n,)), s.array((n, world))
+        if not n:
+            return
+        if real:
+            fused_lm_head_loss(x, _first_rows(weight, real), mine_d, out=(_row(local, 1), _row(local, 0)),
+                               ignore_index=-1, softcap=softcap)
+        else:  # only padding rows here: no probability
+            _ew(dev, "fill_f32", n, (local.ptr, -np.inf, n))
+            _ew(dev, "fill_f32", n, (local.ptr + 4 * n, 0.0, n))
+        if _dry([x]):
+            dev.copy(gathered.ptr, local.ptr, local.nbytes)
+        else:
+            comm.all_gather(CudaBuffer(local.ptr, 2 * n, "float32"),
+                            CudaBuffer(gathered.ptr, world * 2 * n, "float32"), stream=_stream(dev))
+        # the ranks' lse_r as the rows of [n, world]; the holders' lse_r - z_target summed
+        strided_copy(gathered, ranks, (world, n), (2 * n, 1), (1, world))
+        dev.copy(held.ptr, gathered.ptr + 4 * n, 4 * n)
+        for r in range(1, world):
+            _ew(dev, "add_f32", n, (held.ptr, gathered.ptr + 4 * (2 * r + 1) * n, held.ptr, n, n))
+        cross_entropy(ranks, owner_d, out=(loss_out, lse_out), ignore_index=-1)
+        _ew(dev, "add_f32", n, (loss_out.ptr, held.ptr, loss_out.ptr, n, n))
+
+
+def _row(a: Any, i: int) -> Any:
+    """Row ``i`` of a [k, n] float32 device array, as an [n] array."""
+    n = a.shape[-1]
+    return attrs.evolve(a, ptr=a.ptr + i * n * 4, shape=(n,))
+
+
+def cuda_vocab_parallel_lm_head_loss_backward(d_loss: Any, x: Any, weight: Any, targets: Any, lse: Any,
+                                              d_lse: Any, *, out: Sequence[Any], communicator: str,
+                                              ignore_index: int, softcap: float | None,
+                                              vocab_size: int | None = None) -> None:
+    """This rank's part of ``d_x`` and its rows of ``d_weight`` on the device: ``kiln.cuda``'s
+    ``fused_lm_head_loss_backward`` over its rows with the whole log-sum-exp (a live target another rank
+    holds maps past its rows: softmax only, no one-hot); the padding rows' gradient zero. No collective."""
+    from kiln.cuda import Scratch, fused_lm_head_loss_backward
+    from kiln.dist._vocab import _loss_backward
+
+    attrs = {"communicator": communicator, "ignore_index": ignore_index, "softcap": softcap,
+             "vocab_size": vocab_size}
+    comm = _tp_comm(communicator, [x, weight])
+    if comm is None:
+        _host_op(_loss_backward, [d_loss, x, weight, targets, lse, d_lse], out, attrs)
+        return
+    dev, rows = x.device, weight.shape[0]
+    real = _real_rows(weight, comm, vocab_size)
+    t, rel, mine = _targets(targets, rows, communicator, "vocab_parallel_lm_head_loss_backward",
+                            ignore_index, vocab_size)
+    d_x, d_w = out
+    with Scratch(dev) as s:
+        if d_w is not None and real < rows:  # the padding rows: no gradient
+            done = real * weight.shape[1] * 4
+            dev.memset(d_w.ptr + done, 0, d_w.nbytes - done)
+        if not real:
+            if d_x is not None:
+                dev.memset(d_x.ptr, 0, d_x.nbytes)
+            return
+        # a live target another rank holds: past this rank's rows (no one-hot, the softmax's share kept)
+        t_d = _int32(s, dev, np.where(mine, rel, np.where(t != ignore_index, real, -1)))
+        fused_lm_head_loss_backward(d_loss, x, _first_rows(weight, real), t_d, lse, d_lse,
+                                    out=(d_x, None if d_w is None else _first_rows(d_w, real)),
+                                    ignore_index=-1, softcap=softcap)
+
+
+#: (op, kernel) of tensor parallelism registered for the ``cuda`` backend, float32, with ``out=``
+CUDA_TP_KERNELS = (("tp_copy", cuda_tp_copy),
+                   ("tp_all_reduce", cuda_tp_all_reduce),
+                   ("vocab_parallel_embedding", cuda_vocab_parallel_embedding),
+                   ("vocab_parallel_embedding_backward", cuda_vocab_parallel_embedding_backward),
+                   ("vocab_parallel_logits", cuda_vocab_parallel_logits),
+                   ("vocab_parallel_lm_head_loss", cuda_vocab_parallel_lm_head_loss),
+                   ("vocab_parallel_lm_head_loss_backward", cuda_vocab_parallel_lm_head_loss_backward))

@@ -28,12 +28,14 @@ def kiln_register_ops(registry: Any) -> None:
 
 @hookimpl
 def kiln_register_kernels(registry: Any) -> None:
-    """The bucket collectives on the ``cuda`` backend (kiln-kernels-cuda): device buffers through a
-    communicator that takes them (``nccl``), host copies through another."""
-    from kiln.dist._cuda import CUDA_KERNELS
+    """The bucket collectives and tensor parallelism's ops on the ``cuda`` backend (kiln-kernels-cuda):
+    device buffers through a communicator that takes them (``nccl``), host copies through another."""
+    from kiln.dist._cuda import CUDA_KERNELS, CUDA_TP_KERNELS
 
     for op, fn in CUDA_KERNELS:
         registry.register_kernel(op, "cuda", "*", fn)
+    for op, fn in CUDA_TP_KERNELS:  # tensor parallelism's: float32 (bf16 runs the host path)
+        registry.register_kernel(op, "cuda", "float32", fn, out=True)
 
 
 @hookimpl

@@ -70,3 +70,12 @@ class Communicator:
         assert op == SUM
         out = _view(recv)
         self.comm.Allreduce(MPI.IN_PLACE if send is recv else _view(send).copy(), out, op=MPI.SUM)
+
+    def allgather(self, send: Any, recv: Any, stream: Any = None) -> None:
+        """Each rank's ``send`` in rank order into ``recv`` (nccl4py: ``recv`` is ``nranks`` times
+        ``send``)."""
+        self.comm.Allgather(_view(send).copy(), _view(recv))
+
+    def reduce_scatter(self, send: Any, recv: Any, op: str, stream: Any = None) -> None:
+        assert op == SUM
+        self.comm.Reduce_scatter_block(_view(send).copy(), _view(recv), op=MPI.SUM)

@@ -1069,10 +1069,12 @@ def _check_parallel(config: TrainConfig, ranks: int, what: str) -> None:
 
 def _data_parallel(config: TrainConfig) -> Any:
     """kiln-dist's parallelism of this rank (``DataParallel``, or ``TensorParallel`` over ``[parallel]
-    tensor`` ranks) when this process is one of several MPI ranks, else None."""
+    tensor`` ranks) when this process is one of several MPI ranks, else None. On the ``cuda`` backend
+    (``cuda:N``) with nccl4py installed, its collectives run on the GPUs: ``DataParallel("nccl")``, the
+    ``nccl`` grid (``grid(tensor, backend=...)``); otherwise through MPI on host copies."""
     tensor = config["parallel"]["tensor"]
     try:
-        from kiln.dist import DataParallel, TensorParallel, grid, launched
+        from kiln.dist import DataParallel, TensorParallel, grid, launched, nccl_available
     except ImportError:
         if tensor > 1:
             raise TrainConfigError("needs kiln-dist (pip install kiln-dist)", key="parallel.tensor",
@@ -1089,9 +1091,11 @@ def _data_parallel(config: TrainConfig) -> Any:
     _check_parallel(config, world, f"{world} MPI ranks")
     zero = int(config["parallel"]["zero"])  # ZeRO-1 over the data-parallel ranks (of the grid)
     overlap = bool(config["parallel"]["overlap"])  # their all-reduce / reduce-scatter in the backward
+    backend = config["train"]["backend"]
     if tensor == 1:
-        return DataParallel("mpi", zero=zero, overlap=overlap)
-    dp, tp = grid(tensor)
+        gpu = backend.partition(":")[0] == "cuda" and nccl_available()
+        return DataParallel("nccl" if gpu else "mpi", zero=zero, overlap=overlap)
+    dp, tp = grid(tensor, backend=backend)  # nccl-dp / nccl-tp on cuda with nccl4py, else mpi-dp / mpi-tp
     return TensorParallel(tp, DataParallel(dp, zero=zero, overlap=overlap) if world > tensor else None)
 
 

@@ -5,13 +5,30 @@ from importlib.metadata import version
 from kiln.cuda._backend import CudaBackend
 from kiln.cuda._emulate import EmulatedCuda, EmulatedDevice
 from kiln.cuda._nvrtc import compile_cubin
-from kiln.cuda._ops import THREADS, DeviceArray, Scratch, norm_into
+from kiln.cuda._ops import (
+    THREADS,
+    DeviceArray,
+    Scratch,
+    cross_entropy,
+    embedding,
+    embedding_backward,
+    fused_lm_head_loss,
+    fused_lm_head_loss_backward,
+    matmul,
+    norm_into,
+    strided_copy,
+)
 from kiln.cuda._plugin import cuda_available, unavailable_reason
 
 __version__ = version("kiln-kernels-cuda")
 
 #: ``DeviceArray`` (a tensor's view of device memory), ``Scratch`` (a step's workspace, as its launch
 #: functions take temporaries), ``norm_into`` (sums of squares into a device scalar) and ``THREADS`` (the
-#: block size of the elementwise kernels): what other packages' kernels for ``cuda`` build on (kiln-dist's)
+#: block size of the elementwise kernels): what other packages' kernels for ``cuda`` build on (kiln-dist's);
+#: and the launch functions those compose (``matmul``, ``embedding``/``embedding_backward``,
+#: ``cross_entropy``, ``fused_lm_head_loss``/``_backward``, ``strided_copy``: the kernel table's ``out=``
+#: convention on ``DeviceArray`` views, float32)
 __all__ = ["THREADS", "CudaBackend", "DeviceArray", "EmulatedCuda", "EmulatedDevice", "Scratch",
-           "__version__", "compile_cubin", "cuda_available", "norm_into", "unavailable_reason"]
+           "__version__", "compile_cubin", "cross_entropy", "cuda_available", "embedding",
+           "embedding_backward", "fused_lm_head_loss", "fused_lm_head_loss_backward", "matmul", "norm_into",
+           "strided_copy", "unavailable_reason"]
