@@ -117,8 +117,9 @@ def test_attention_runs_the_tensor_core_kernels_twin(bundle, batch) -> None:
         batch_ = {"input_ids": batch[0], "labels": batch[1]}
         for _ in range(3):
             assert got.train_step(batch_)["loss"] == pytest.approx(ref.train_step(batch_)["loss"], abs=1e-4)
-    assert {"flash_attention_twin64_bf16", "flash_attention_backward_dq_twin64_bf16",
-            "flash_attention_backward_dkv_twin64_bf16"} <= device.names
+    for kernel in ("flash_attention_twin64_bf16", "flash_attention_backward_dq_twin64_bf16",
+                   "flash_attention_backward_dkv_twin64_bf16"):  # or its variant on float32 qkv / d_qkv
+        assert any(n == kernel or n.startswith(kernel + "_") for n in device.names), kernel
     assert not any(n.startswith("flash_attention_f32") for n in device.names)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import attrs
 import pytest
 
-from kiln.core import KilnError
+from kiln.core import KilnError, compile
 from kiln.core.cli import main
 from kiln.cuda._roofline import DEVICES, roofline
 
@@ -108,3 +109,25 @@ def test_kiln_plan_names_a_device_no_plugin_knows(capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert "--device 'tpu-v5': no installed plugin predicts step times on it" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_program_compiled_for_numpy_is_priced_as_cuda_plans_it(precision: str) -> None:
+    """``kiln plan --device`` compiles for ``numpy``, which plans no fused LM-head pass under bf16 (it has
+    no bf16 pass); the roofline prices the head as the ``cuda`` backend runs it, one fused pass, in both
+    recipes: the same price as a Program whose plan holds the fusion."""
+    pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes")
+    from kiln.dsl import build_bundle
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    bundle = build_bundle(Qwen3Model, {"vocab_size": 4096, "d_model": 64, "n_layers": 1, "num_query_heads": 4,
+                                       "num_kv_heads": 2, "head_size": 16, "d_ff": 128, "max_seq": 64})
+    prog = compile(bundle, bindings={"B": 2, "T": 64}, precision=precision)
+    assert (prog.fusions == ()) == (precision == "bf16")  # numpy fuses the float32 head only
+    matmul = "bf16" if precision == "bf16" else "fp32"
+    costs = roofline(prog, "h100", matmul).by_op
+    assert "fused_lm_head_loss_and_grad" in costs
+    assert "fused_lm_head_loss" not in costs and "fused_lm_head_loss_backward" not in costs
+    if precision == "fp32":  # the plan's own fusion and the one the roofline infers cost the same
+        inferred = roofline(attrs.evolve(prog, fusions=()), "h100", matmul)
+        assert inferred.seconds == pytest.approx(roofline(prog, "h100", matmul).seconds)

@@ -23,6 +23,7 @@ from kiln.core.runtime import optimizer_step
 from kiln.cuda._ops import (
     ALIGN,
     BF16_KERNELS,
+    BF16_MATMULS,
     BF16_OPERANDS,
     BF16_READS,
     SCALARS,
@@ -659,6 +660,9 @@ def low_precision(program: Program, step: Step, opdef: Any, kernel: Callable[...
         kernel = direct
     lower = _computes_low(program, step, opdef)
     rounded = [bool(k) and k in program.rounded for k in step.outputs]
+    mm = BF16_MATMULS.get(kernel) if lower and step.op.type in BF16_OPERANDS else None
+    if mm is not None:  # a matmul that rounds its operands and stores a bf16 output itself
+        return lambda: mm(*ins, out=outs, round_out=rounded[0], **kw)
     dev = next(a.device for a in (*ins, *outs) if a is not None)
     operands = 2 if lower and step.op.type in BF16_OPERANDS else 0  # a matmul's a and b, as bf16
 

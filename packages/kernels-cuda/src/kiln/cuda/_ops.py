@@ -530,6 +530,12 @@ def matmul(a: DeviceArray, b: DeviceArray, c: DeviceArray | None = None, *, out:
         return
     low = a.dtype == b.dtype == "bfloat16"  # the bf16 recipe: bf16 in, fp32 accumulate and out
     _f32(*(() if low else (a, b)), c, out[0])
+    _matmul_simt("matmul_bf16" if low else "matmul_f32", a, b, c, out[0], transpose, alpha, eff_beta)
+
+
+def _matmul_simt(kernel: str, a: DeviceArray, b: DeviceArray, c: DeviceArray | None, o: DeviceArray,
+                 transpose: str, alpha: float, beta: float) -> None:
+    """One launch of the SIMT matmul kernel ``kernel`` (any of matmul.cu's, one parameter list)."""
     if a.shape[:-2] != b.shape[:-2]:  # the kernel strides both operands by one batch index
         raise KilnError(f"matmul on cuda: a {a.shape} and b {b.shape} have different batch dims; broadcast "
                         "batch dims have no CUDA kernel yet")
@@ -540,9 +546,9 @@ def matmul(a: DeviceArray, b: DeviceArray, c: DeviceArray | None = None, *, out:
     if not (m and n and batch):
         return
     grid = (cdiv(n, MATMUL_TILE), cdiv(m, MATMUL_TILE), batch)
-    a.device.launch("matmul_bf16" if low else "matmul_f32", grid, (MATMUL_TILE, MATMUL_TILE),
-                    (a.ptr, b.ptr, _ptr(c), out[0].ptr, m, n, k, int(ta), int(tb), m * k, k * n, m * n, alpha,
-                     eff_beta))
+    a.device.launch(kernel, grid, (MATMUL_TILE, MATMUL_TILE),
+                    (a.ptr, b.ptr, _ptr(c), o.ptr, m, n, k, int(ta), int(tb), m * k, k * n, m * n, alpha,
+                     beta))
 
 
 def layernorm(x: DeviceArray, weight: DeviceArray, bias: DeviceArray | None = None, *,
@@ -595,6 +601,60 @@ def _rows_of(a: DeviceArray, r0: int, r1: int) -> DeviceArray:
 def _head_tiles(n: int, v: int) -> list[tuple[int, int]]:
     rows = max(1, min(n, LOGITS_TILE // max(v, 1)))
     return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
+
+
+def _head_plan(n: int, v: int, c: int, matmul: str) -> tuple[int, int]:
+    """The fused LM-head pass's row block and vocabulary chunk (``chunk >= v``: the one-pass tiling of
+    :func:`_head_tiles`), at most :data:`LOGITS_TILE` logits: whichever ``kiln.cuda._roofline.lm_head_plan``
+    predicts faster on an H100 with products at ``matmul``'s rate (``fp32``: CUDA cores, as the SIMT
+    kernel and cuBLASLt's float32 GEMM run; ``bf16``: tensor cores)."""
+    from kiln.cuda._roofline import lm_head_plan
+
+    return lm_head_plan(n, v, c, LOGITS_TILE, "h100", matmul)
+
+
+def _vocab_tiled_pass(d_loss: DeviceArray | None, x: DeviceArray, weight: DeviceArray, targets: DeviceArray,
+                      loss: DeviceArray, lse: DeviceArray, d_x: DeviceArray | None, d_w: DeviceArray | None,
+                      rows: int, chunk: int, ignore_index: int, bf16: bool) -> None:
+    """The fused LM-head pass tiled over rows and vocabulary (``chunk < V``): per block of ``rows`` rows,
+    pass 1 computes the logits chunk by chunk (``z = x w_chunk^T``) into the one tile buffer and folds each
+    into a running maximum and sum (``lm_head_lse_chunk``; the maximum in ``lse``, the target's logit in
+    ``loss``), then ``lm_head_lse_done`` gives lse and the loss; pass 2 computes each chunk again, turns it
+    into its gradient (``lm_head_grad_chunk``) and adds ``g w_chunk`` to ``d_x`` and ``g^T x`` to
+    ``d_w``'s chunk (row blocks in order). ``bf16``: x and w are bf16, the logits read rounded to bf16,
+    the gradient written as bf16 (``lm_head_loss_grad_bf16``'s rounding points); the caller rounds d_x and
+    d_w. Holds one tile of float32 logits (and, bf16, one of their bf16 gradient) and one row of sums."""
+    dev = x.device
+    n, v = x.shape[0], weight.shape[0]
+    kind = "bf16" if bf16 else "f32"
+    with Scratch(dev) as s:
+        zbuf, sums = s.array((rows, chunk)), s.array((rows,))
+        gbuf = s.array((rows, chunk), "bfloat16") if bf16 else zbuf
+        chunks = [(v0, min(v0 + chunk, v)) for v0 in range(0, v, chunk)]
+        for i, r0 in enumerate(range(0, n, rows)):
+            r1 = min(r0 + rows, n)
+            xr, tr, lr, sr = (_rows_of(a, r0, r1) for a in (x, targets, loss, lse))
+            dl = 0 if d_loss is None else _rows_of(d_loss, r0, r1).ptr
+            for v0, v1 in chunks:  # pass 1: the online log-sum-exp
+                z = DeviceArray(dev, zbuf.ptr, (r1 - r0, v1 - v0), "float32")
+                matmul(xr, _rows_of(weight, v0, v1), out=(z,), transpose="NT")
+                dev.launch(f"lm_head_lse_chunk_{kind}", (r1 - r0,), row_block(v1 - v0),
+                           (z.ptr, tr.ptr, sr.ptr, sums.ptr, lr.ptr, v1 - v0, v0, int(v0 == 0)))
+            dev.launch("lm_head_lse_done_f32", ew_grid(r1 - r0), (THREADS,),
+                       (sums.ptr, lr.ptr, tr.ptr, lr.ptr, sr.ptr, r1 - r0, v, ignore_index))
+            for j, (v0, v1) in enumerate(chunks):  # pass 2: the logits again, their gradient, d_x and d_w
+                z = DeviceArray(dev, zbuf.ptr, (r1 - r0, v1 - v0), "float32")
+                g = DeviceArray(dev, gbuf.ptr, z.shape, gbuf.dtype)
+                wc = _rows_of(weight, v0, v1)
+                matmul(xr, wc, out=(z,), transpose="NT")
+                args = (dl, z.ptr, tr.ptr, sr.ptr) + ((g.ptr,) if bf16 else ()) + (v1 - v0, v0, ignore_index)
+                dev.launch(f"lm_head_grad_chunk_{kind}", (r1 - r0,), row_block(v1 - v0), args)
+                if d_x is not None:
+                    dxr = _rows_of(d_x, r0, r1)
+                    matmul(g, wc, dxr if j else None, out=(dxr,))
+                if d_w is not None:
+                    dwc = _rows_of(d_w, v0, v1)
+                    matmul(g, xr, dwc if i else None, out=(dwc,), transpose="TN")
 
 
 def _tile(buf: DeviceArray, r0: int, r1: int) -> DeviceArray:
@@ -684,9 +744,14 @@ def fused_lm_head_loss_and_grad(d_loss: DeviceArray | None, x: DeviceArray, weig
     _i32(targets, "targets")
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
+    rows, chunk = _head_plan(n, v, x.shape[1], "fp32")
     with Scratch(dev) as s:
         loss_, lse_ = s.out(loss, (n,)), s.out(lse, (n,))
-        tiles = _head_tiles(n, v)
+        if n and chunk < v:
+            _vocab_tiled_pass(d_loss, x, weight, targets, loss_, lse_, d_x, d_weight, rows, chunk,
+                              ignore_index, bf16=False)
+            return
+        tiles = [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
         buf = s.array((tiles[0][1], v)) if n else None
         for i, (r0, r1) in enumerate(tiles):
             assert buf is not None
@@ -891,9 +956,24 @@ def flash_attention_mma(qkv: DeviceArray, segment_ids: DeviceArray | None = None
     """``flash_attention`` (with ``attention``'s ``softcap`` and ``alibi``) on bf16 ``qkv``: ``out`` in bf16,
     ``lse`` in fp32, on tensor cores (sm_80+) or, with ``tensor_cores=False``, their SIMT twin."""
     _bf16(qkv, out[0])
+    _flash_mma(qkv, segment_ids, out, Hq, Hkv, D, causal, softmax_scale, window_size, softcap, alibi,
+               tensor_cores)
+
+
+def _flash_mma(qkv: DeviceArray, segment_ids: DeviceArray | None, out: Sequence[DeviceArray | None], Hq: int,
+               Hkv: int, D: int, causal: bool = True, softmax_scale: float | None = None,
+               window_size: int | None = None, softcap: float | None = None, alibi: bool = False,
+               tensor_cores: bool = True) -> None:
+    """:func:`flash_attention_mma` on a bf16 ``qkv``, or a float32 one rounded to bf16 on load
+    (``_bf16_f``)."""
+    if qkv.dtype != "float32":
+        _bf16(qkv)
+    _bf16(out[0])
     _f32(out[1])
     suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, "flash_attention", Hq, Hkv, D, causal,
                                          softmax_scale, window_size, softcap, alibi, tensor_cores)
+    if qkv.dtype == "float32":
+        suffix += "_f"
     with Scratch(qkv.device) as s:
         o, lse = s.out(out[0], (b, t, Hq * D), "bfloat16"), s.out(out[1], (b, Hq, t))
         if b and t:
@@ -910,13 +990,32 @@ def flash_attention_mma_backward(d_out: DeviceArray | None, qkv: DeviceArray, o:
                                  alibi: bool = False, tensor_cores: bool = True) -> None:
     """The gradient of :func:`flash_attention_mma`: the query kernel (dq, and each row's shift), then the
     key kernel (dk, dv); ``d_qkv`` in bf16."""
-    op = "flash_attention_backward"
     _bf16(d_out, qkv, o, out[0])
+    _flash_mma_backward(d_out, qkv, o, lse, d_lse, segment_ids, out, Hq, Hkv, D, causal, softmax_scale,
+                        window_size, softcap, alibi, tensor_cores)
+
+
+def _flash_mma_backward(d_out: DeviceArray | None, qkv: DeviceArray, o: DeviceArray, lse: DeviceArray,
+                        d_lse: DeviceArray | None, segment_ids: DeviceArray | None,
+                        out: Sequence[DeviceArray | None], Hq: int, Hkv: int, D: int, causal: bool = True,
+                        softmax_scale: float | None = None, window_size: int | None = None,
+                        softcap: float | None = None, alibi: bool = False, tensor_cores: bool = True) -> None:
+    """:func:`flash_attention_mma_backward` on a bf16 or float32 ``qkv`` (rounded on load) with a float32
+    ``d_qkv`` holding bf16 values (``_bf16_hf``, ``_bf16_ff``), or both bf16."""
+    op = "flash_attention_backward"
+    _bf16(d_out, o)
     _f32(lse, d_lse)
     suffix, (b, t), tail = _mma_geometry(qkv, segment_ids, op, Hq, Hkv, D, causal, softmax_scale, window_size,
                                          softcap, alibi, tensor_cores)
+    g = out[0].dtype if out[0] is not None else "bfloat16" if qkv.dtype == "bfloat16" else "float32"
+    if (qkv.dtype, g) != ("bfloat16", "bfloat16"):
+        if g != "float32" or qkv.dtype not in ("bfloat16", "float32"):
+            raise KilnError(f"op {op!r} on the tiled bf16 kernels: qkv {qkv.dtype} and d_qkv {g}; they "
+                            "read qkv as bfloat16 or float32 and write d_qkv as bfloat16, or float32 beside "
+                            "either")
+        suffix += "_hf" if qkv.dtype == "bfloat16" else "_ff"
     with Scratch(qkv.device) as s:
-        d_qkv, shift = s.out(out[0], qkv.shape, "bfloat16"), s.array((b, Hq, t))
+        d_qkv, shift = s.out(out[0], qkv.shape, g), s.array((b, Hq, t))
         if b and t:
             seg = _segments(segment_ids)
             qkv.device.launch(f"flash_attention_backward_dq_{suffix}", (cdiv(t, MMA_ROWS), Hq, b),
@@ -1147,16 +1246,68 @@ def _bf16_outputs(s: Scratch, outs: Sequence[DeviceArray | None],
     return ys, store
 
 
+def matmul_lowp(a: DeviceArray, b: DeviceArray, c: DeviceArray | None = None, *, out: Sequence[DeviceArray],
+                round_out: bool = False, transpose: str = "NN", accumulate: bool = False, alpha: float = 1.0,
+                beta: float = 1.0) -> None:
+    """``matmul`` and ``batched_matmul`` under the bf16 recipe, rounding where NumPy's emulation does (``a``
+    and ``b`` rounded to bf16, ``c`` too when float32, ``out`` stored rounded to bf16 when its slot is bf16
+    or ``round_out``) with the fewest temporaries. On CUDA cores one kernel reads each operand as its slot
+    holds it, rounding a float32 one on its load (no bf16 copy), and writes a bf16 ``out`` directly
+    (``matmul_bf16_<a><b><out>``, h: bf16, f: float32); cuBLASLt takes bf16 copies of float32 operands (it
+    cannot round on load) and writes a bf16 ``out`` as its D type (a float32 temporary only beside a
+    float32 ``c``)."""
+    o = out[0]
+    eff_beta = 1.0 if (beta == 1.0 or accumulate) else beta
+    for name, x in (("a", a), ("b", b), ("c", c), ("out", o)):
+        if x is not None and x.dtype not in ("float32", "bfloat16"):
+            raise KilnError(f"matmul under the bf16 recipe on cuda: {name} is {x.dtype}; kiln.cuda reads "
+                            "float32 and bfloat16")
+    with Scratch(o.device) as s:
+        if c is not None:  # the recipe rounds a float32 c as it rounds every float input of a lowered op
+            c = round_bf16(s, c) if c.dtype == "float32" else as_dtype(s, c, "float32")
+        _matmul_rounding(s, a, b, c, o, transpose, alpha, eff_beta, round_out)
+
+
+def _lowp_operand(s: Scratch, a: DeviceArray) -> DeviceArray:
+    """A matmul operand of the bf16 recipe for :func:`_matmul_rounding`: ``a`` itself on CUDA cores (the
+    kernel rounds a float32 one on load), a bf16 copy of a float32 one for cuBLASLt (taken once, for all of
+    a caller's products)."""
+    if getattr(a.device, "blas", None) is None or a.dtype == "bfloat16":
+        return a
+    t = s.array(a.shape, "bfloat16")
+    cast(a, out=[t])
+    return t
+
+
+def _matmul_rounding(s: Scratch, a: DeviceArray, b: DeviceArray, c: DeviceArray | None, o: DeviceArray,
+                     transpose: str, alpha: float, beta: float, round_out: bool) -> None:
+    """``o = alpha op(a) op(b) (+ beta c)`` on ``a`` and ``b`` rounded to bf16 (``c`` a float32 as it is),
+    fp32 accumulate, ``o`` stored in its dtype (a bf16 ``o`` rounded; a float32 one rounded in place when
+    ``round_out``): :func:`matmul_lowp`'s kernels, or cuBLASLt on bf16 copies of float32 operands."""
+    if getattr(a.device, "blas", None) is not None:
+        y = o if c is None or o.dtype == "float32" else s.array(o.shape)
+        matmul(_lowp_operand(s, a), _lowp_operand(s, b), c, out=(y,), transpose=transpose, alpha=alpha,
+               beta=beta)
+        if y is not o:
+            cast(y, out=[o])
+    else:
+        _f32(c)
+        code = "".join("h" if x.dtype == "bfloat16" else "f" for x in (a, b, o))
+        _matmul_simt("matmul_bf16" if code == "hhf" else f"matmul_bf16_{code}", a, b, c, o, transpose, alpha,
+                     beta)
+    if round_out and o.dtype == "float32":
+        round_bf16(s, o, into=o)
+
+
 def flash_attention_bf16(qkv: DeviceArray, segment_ids: DeviceArray | None = None, *,
                          out: Sequence[DeviceArray | None], **attrs: Any) -> None:
     """``flash_attention`` under the bf16 recipe (``flash_attention@cuda:bfloat16``): ``qkv`` read as
     bf16 (rounded when its slot is float32), the tiled kernel of :func:`flash_attention_mma` on tensor
     cores where the device has them (sm_80+), else its SIMT twin (the emulator), ``out`` in bf16 and
     ``lse`` in fp32, stored in their slots' dtypes."""
-    with Scratch(qkv.device) as s:
-        q = as_dtype(s, qkv, "bfloat16")
+    with Scratch(qkv.device) as s:  # a float32 qkv is rounded on load by the kernel (no rounded copy)
         ys, store = _bf16_outputs(s, out, ("bfloat16", "float32"))
-        flash_attention_mma(q, segment_ids, out=ys, tensor_cores=tensor_cores_available(qkv.device), **attrs)
+        _flash_mma(qkv, segment_ids, ys, tensor_cores=tensor_cores_available(qkv.device), **attrs)
         store()
 
 
@@ -1166,13 +1317,15 @@ def flash_attention_backward_bf16(d_out: DeviceArray | None, qkv: DeviceArray, o
                                   out: Sequence[DeviceArray | None], **attrs: Any) -> None:
     """Its backward: ``d_out``, ``qkv`` and ``o`` read as bf16, ``lse`` and ``d_lse`` as fp32, ``d_qkv``
     in bf16 (the gradient of a bf16 tensor) stored in its slot's dtype."""
-    with Scratch(qkv.device) as s:
-        args = [as_dtype(s, a, "bfloat16") for a in (d_out, qkv, o)]
+    with Scratch(qkv.device) as s:  # qkv read as it is (a float32 one rounded on load), d_qkv written in
+        # its slot's dtype: float32 (bf16 values) or bf16; a bf16 d_qkv beside a float32 qkv through a copy
+        d, o16 = as_dtype(s, d_out, "bfloat16"), as_dtype(s, o, "bfloat16")
         lse32, dlse32 = as_dtype(s, lse, "float32"), as_dtype(s, d_lse, "float32")
-        ys, store = _bf16_outputs(s, out, ("bfloat16",))
-        flash_attention_mma_backward(*args, lse32, dlse32, segment_ids, out=ys,
-                                     tensor_cores=tensor_cores_available(qkv.device), **attrs)
-        store()
+        q = qkv if qkv.dtype == "bfloat16" or out[0] is None or out[0].dtype == "float32" \
+            else as_dtype(s, qkv, "bfloat16")
+        assert o16 is not None and lse32 is not None and q is not None
+        _flash_mma_backward(d, q, o16, lse32, dlse32, segment_ids, out,
+                            tensor_cores=tensor_cores_available(qkv.device), **attrs)
 
 
 def qkv_qk_norm_rope_bf16(qkv: DeviceArray, q_norm_weight: DeviceArray | None,
@@ -1421,11 +1574,11 @@ def layernorm_backward_bf16in(d_y: DeviceArray | None, x: DeviceArray, mean: Dev
 
 
 def _logits_bf16(s: Scratch, xb: DeviceArray, wb: DeviceArray, softcap: float | None) -> DeviceArray:
-    """One tile's logits under the bf16 recipe: bf16 x w^T (fp32 accumulate) rounded to bf16, then capped
-    in fp32 (NumPy's ``_head_logits``)."""
+    """One tile's logits under the bf16 recipe: bf16 x w^T (fp32 accumulate; float32 ``xb`` or ``wb``
+    rounded to bf16 on load, :func:`_lowp_operand`) rounded to bf16, then capped in fp32 (NumPy's
+    ``_head_logits``)."""
     z = s.array((xb.shape[0], wb.shape[0]))
-    matmul(xb, wb, out=(z,), transpose="NT")
-    round_bf16(s, z, into=z)
+    _matmul_rounding(s, xb, wb, None, z, "NT", 1.0, 1.0, True)
     if softcap is not None:
         z.device.launch("softcap_f32", ew_grid(z.size), (THREADS,), (z.ptr, z.size, softcap))
     return z
@@ -1438,8 +1591,9 @@ def fused_lm_head_loss_bf16(x: DeviceArray, weight: DeviceArray, targets: Device
     the weight as bf16, each tile's logits rounded to bf16, the loss and log-sum-exp over them in fp32. One
     tile of logits lives at a time, as in :func:`fused_lm_head_loss`."""
     n, v = x.shape[0], weight.shape[0]
-    with Scratch(x.device) as s:
-        xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
+    with Scratch(x.device) as s:  # float32 x and weight rounded on load (bf16 copies only for cuBLASLt)
+        _f32(*(a for a in (x, weight) if a.dtype != "bfloat16"))
+        xb, wb = _lowp_operand(s, x), _lowp_operand(s, weight)
         ys, store = _bf16_outputs(s, out, ("float32", "float32"))
         loss, lse = s.out(ys[0], (n,)), s.out(ys[1], (n,))
         for r0, r1 in _head_tiles(n, v):
@@ -1459,8 +1613,9 @@ def fused_lm_head_loss_backward_bf16(d_loss: DeviceArray | None, x: DeviceArray,
     in fp32 and rounded once at the end (NumPy's one product over all rows, up to the fp32 order)."""
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
-    with Scratch(dev) as s:
-        xb, wb = as_dtype(s, x, "bfloat16"), as_dtype(s, weight, "bfloat16")
+    with Scratch(dev) as s:  # float32 x and weight rounded on load (bf16 copies only for cuBLASLt)
+        _f32(*(a for a in (x, weight) if a.dtype != "bfloat16"))
+        xb, wb = _lowp_operand(s, x), _lowp_operand(s, weight)
         dl, l32, dlse = (as_dtype(s, a, "float32") for a in (d_loss, lse, d_lse))
         ys, store = _bf16_outputs(s, out, ("float32", "float32"))
         d_x, d_w = ys
@@ -1476,14 +1631,11 @@ def fused_lm_head_loss_backward_bf16(d_loss: DeviceArray | None, x: DeviceArray,
                 if softcap is not None:
                     dev.launch("softcap_backward_f32", ew_grid(g.size), (THREADS,),
                                (g.ptr, z.ptr, g.size, softcap))
-                gb = as_dtype(tile, g, "bfloat16")
-                assert gb is not None
+                gb = _lowp_operand(tile, g)  # g's bf16 values: rounded on load, or a bf16 copy
                 if d_x is not None:
-                    dx = _rows_of(d_x, r0, r1)
-                    matmul(gb, wb, out=(dx,))
-                    round_bf16(tile, dx, into=dx)
+                    _matmul_rounding(tile, gb, wb, None, _rows_of(d_x, r0, r1), "NN", 1.0, 1.0, True)
                 if d_w is not None:
-                    matmul(gb, xr, d_w if i else None, out=(d_w,), transpose="TN")
+                    _matmul_rounding(tile, gb, xr, d_w if i else None, d_w, "TN", 1.0, 1.0, False)
         if d_w is not None:
             if not n:
                 dev.memset(d_w.ptr, 0, d_w.nbytes)
@@ -1512,7 +1664,17 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
         assert xb is not None and wb is not None
         ys, store = _bf16_outputs(s, (loss, lse, d_x, d_weight), ("float32",) * 4)
         loss_, lse_, dx, dw = s.out(ys[0], (n,)), s.out(ys[1], (n,)), ys[2], ys[3]
-        tiles = _head_tiles(n, v)
+        tensor_cores = getattr(dev, "blas", None) is not None  # cuBLASLt's bf16 GEMM; the SIMT kernel: not
+        rows, chunk = _head_plan(n, v, x.shape[1], "bf16" if tensor_cores else "fp32")
+        if n and chunk < v:
+            _vocab_tiled_pass(dl, xb, wb, targets, loss_, lse_, dx, dw, rows, chunk, ignore_index, bf16=True)
+            if dx is not None:
+                round_bf16(s, dx, into=dx)
+            if dw is not None:
+                round_bf16(s, dw, into=dw)
+            store()
+            return
+        tiles = [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
         zbuf = s.array((tiles[0][1], v)) if n else None
         gbuf = s.array((tiles[0][1], v), "bfloat16") if n else None
         for i, (r0, r1) in enumerate(tiles):
@@ -1604,6 +1766,9 @@ BF16_READS: dict[Callable[..., None], Callable[..., None]] = {
 #: bf16, rounded where they are float32, instead of float32 copies of bf16 values): cuBLASLt's bf16 GEMM
 #: on a GPU, ``matmul_bf16`` elsewhere
 BF16_OPERANDS = frozenset({"matmul", "batched_matmul"})
+#: a matmul step of those ops under the bf16 recipe runs this launch function on its slots as they are: the
+#: operands rounded on load (CUDA cores) and a bf16 output written directly (:func:`matmul_lowp`)
+BF16_MATMULS: dict[Callable[..., None], Callable[..., None]] = {matmul: matmul_lowp}
 
 
 def _rope_geometry(qkv: DeviceArray, position_ids: DeviceArray, D: int, rotary_dim: int | None,

@@ -6,14 +6,18 @@ device's float32 rate on CUDA cores, or, for the matmul-like ops with ``matmul="
 its dense tensor-core rate. Matmul-like: the ops with the ``flop_heavy`` trait (matmuls, attention),
 their backward ops, and any op doing at least :data:`MATMUL_INTENSITY` FLOPs per byte (the LM head
 fused with its loss). A view costs nothing. The Program's fusions run as one step each: the LM head's
-loss and gradient in one pass (``fused_lm_head_loss_and_grad``) cost its forward and backward steps
-less the backward's recompute of the logits (one product and one read of x and the weight fewer). MFU
-is the FLOPs of the matmul-like steps (the model's own work, recomputation included) over the predicted
+loss and gradient (``fused_lm_head_loss_and_grad``) is priced kernel by kernel in the tiling the CUDA
+pass picks (:func:`lm_head_plan`, :func:`lm_head_cost`: one pass over row tiles of the whole
+vocabulary, or two passes over row blocks and vocabulary chunks, whichever is predicted faster). MFU
+is the FLOPs of the matmul-like steps (the model's own work, replayed activations included; the LM
+head's fused pass counts its three products, not the logits its second pass computes again) over the predicted
 time at the device's dense bf16 tensor-core peak, the usual yardstick.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +46,110 @@ DEVICES = {
     "h200": Device("H200 SXM", 67e12, {"tf32": 494.7e12, "bf16": 989.4e12}, 4.8e12),
 }
 MATMUL = ("fp32", "tf32", "bf16")
+#: the LM head's steps the roofline prices by their CUDA tiles: op -> the indices of x and the weight
+LM_HEAD_STEPS = {"fused_lm_head_loss": (0, 1), "fused_lm_head_loss_backward": (1, 2)}
 #: FLOPs per byte above which an op is a matmul in disguise (elementwise ops do a few)
 MATMUL_INTENSITY = 64.0
+
+
+def _gemm(dev: Device, peak: float, m: int, n: int, k: int, accumulate: bool) -> tuple[float, float, float]:
+    """One ``[m, k] x [k, n]`` product (float32 bytes; reading ``out`` too when it accumulates): its
+    seconds (roofline plus a launch), FLOPs and bytes."""
+    flops, nbytes = 2.0 * m * n * k, 4.0 * (m * k + k * n + m * n * (2 if accumulate else 1))
+    return max(flops / peak, nbytes / dev.bandwidth) + dev.launch, flops, nbytes
+
+
+def _sweep(dev: Device, nbytes: float) -> tuple[float, float, float]:
+    """One memory-bound kernel moving ``nbytes``."""
+    return nbytes / dev.bandwidth + dev.launch, 0.0, nbytes
+
+
+def lm_head_cost(n: int, v: int, c: int, rows: int, chunk: int, device: str = "h100",
+                 matmul: str = "fp32", phase: str = "both",
+                 softcap: bool = False) -> tuple[float, float, float]:
+    """The predicted seconds, FLOPs and (float32) bytes of the LM head's fused loss-and-gradient pass over
+    ``n`` rows of ``c`` features and a vocabulary of ``v``, in row blocks of ``rows`` and vocabulary chunks
+    of ``chunk``, kernel by kernel (each ``max(flops / peak, bytes / bandwidth)`` plus a launch).
+
+    ``chunk >= v``, one pass per row block: the logits ``z = x w^T``, the loss-and-gradient kernel (reads and
+    writes ``z``), ``d_x = g w`` and ``d_w += g^T x``: three products, but the last two, like the first,
+    sweep all of ``w`` (or ``d_w``, read and written) once per row block. ``chunk < v``, two passes per row
+    block: pass 1 computes each chunk's logits and folds them into an online log-sum-exp; pass 2 computes
+    them again, turns them into their gradient and adds ``g w_chunk`` to ``d_x`` and ``g^T x`` to
+    ``d_w_chunk``: one product over the logits more, but ``w`` and ``d_w`` are swept once per (large) row
+    block, and ``d_x`` once per chunk.
+
+    ``phase`` ``"forward"`` or ``"backward"``: one of the two unfused steps instead (``chunk`` is then
+    ``v``), as the CUDA composition runs them: the forward's logits (softcapped) and cross-entropy kernel;
+    the backward's logits again, the cross-entropy backward kernel (the softcap's backward beside it),
+    ``d_x`` and ``d_w``."""
+    dev = DEVICES[device]
+    peak = dev.tensor[matmul] if matmul != "fp32" else dev.fp32
+    total = [0.0, 0.0, 0.0]
+
+    def add(cost: tuple[float, float, float], times: int = 1) -> None:
+        for i in range(3):
+            total[i] += cost[i] * times
+
+    chunk = min(chunk, v)
+    for r0 in range(0, n, rows):
+        r = min(rows, n - r0)
+        first = r0 == 0
+        if phase != "both":
+            add(_gemm(dev, peak, r, v, c, False))
+            if softcap:
+                add(_sweep(dev, 8.0 * r * v))
+            if phase == "forward":
+                add(_sweep(dev, 4.0 * r * v + 16.0 * r))
+                continue
+            add(_sweep(dev, 8.0 * r * v))
+            if softcap:
+                add(_sweep(dev, 12.0 * r * v))
+            add(_gemm(dev, peak, r, c, v, False))
+            add(_gemm(dev, peak, v, c, r, not first))
+            continue
+        if chunk >= v:
+            add(_gemm(dev, peak, r, v, c, False))
+            add(_sweep(dev, 8.0 * r * v))
+            add(_gemm(dev, peak, r, c, v, False))
+            add(_gemm(dev, peak, v, c, r, not first))
+            continue
+        full, last = divmod(v, chunk)
+        for vc, times in ((chunk, full), (last, 1 if last else 0)):
+            add(_gemm(dev, peak, r, vc, c, False), 2 * times)  # the logits, in each pass
+            add(_sweep(dev, 4.0 * r * vc), times)  # pass 1's online log-sum-exp
+            add(_sweep(dev, 8.0 * r * vc), times)  # pass 2's gradient, in place
+            add(_gemm(dev, peak, r, c, vc, True), times - (vc == chunk))  # d_x += g w_chunk
+            add(_gemm(dev, peak, vc, c, r, not first), times)
+        add(_gemm(dev, peak, r, c, chunk, False))  # the first chunk's d_x = g w_chunk, nothing to read
+        add(_sweep(dev, 16.0 * r))  # lse and loss from the running sums
+    return total[0], total[1], total[2]
+
+
+@functools.lru_cache(maxsize=256)  # the CUDA pass asks on every run
+def lm_head_plan(n: int, v: int, c: int, tile: int, device: str = "h100",
+                 matmul: str = "fp32") -> tuple[int, int]:
+    """The row block and vocabulary chunk of the LM head's fused pass predicted fastest by
+    :func:`lm_head_cost`, holding at most ``tile`` logits at once: the one-pass tiling (rows over the
+    whole vocabulary, ``tile // v`` of them) against two-pass tilings of ``rows`` in powers of two from 64
+    with ``chunk = tile // rows`` (at least 256 words, fewer than ``v``). The trade: a long vocabulary
+    leaves the one-pass tile few rows, so its ``d_w += g^T x`` reads and writes all of ``d_w`` (and its
+    other two products read all of ``w``) once per handful of rows; the two-pass tiling recomputes the
+    logits once (one ``2 n v c`` product more) but sweeps ``w`` and ``d_w`` once per block of
+    ``rows`` rows, and ``d_x`` once per chunk, so it wins where the sweeps outweigh the product (a long
+    vocabulary and many rows: Qwen3-0.6B's head at 8192 rows, on tensor cores and on CUDA cores alike);
+    a small vocabulary or few rows keep the one pass. Ties go to the one pass."""
+    one = (max(1, min(n, tile // max(v, 1))), v)
+    best, best_s = one, lm_head_cost(n, v, c, *one, device, matmul)[0]
+    rows = 64
+    while rows < 2 * n and tile // rows >= 256:
+        r, chunk = min(rows, n), tile // rows
+        if chunk < v:
+            secs = lm_head_cost(n, v, c, r, chunk, device, matmul)[0]
+            if secs < best_s:
+                best, best_s = (r, chunk), secs
+        rows *= 2
+    return best
 
 
 @attrs.frozen
@@ -74,6 +180,29 @@ class Roofline:
         return "\n".join(lines)
 
 
+def _as_cuda_fuses(program: Any) -> tuple[Any, ...]:
+    """The LM head's fused pass the ``cuda`` backend would plan for a Program compiled for another backend
+    (``kiln plan`` and ``kiln cuda roofline`` compile for ``numpy``, which has no bf16 pass and so fuses
+    nothing under the bf16 recipe): its last forward step ``fused_lm_head_loss`` and first backward step
+    ``fused_lm_head_loss_backward`` on the same operands, no softcap (the CUDA pass has none), not moved
+    off the recipe by an annotation (``computes``). A Program compiled for ``cuda`` keeps its own choice."""
+    from kiln.core.plan import Fusion
+
+    if getattr(program, "backend", "cuda") == "cuda" or getattr(program, "task", "train") != "train":
+        return ()
+    steps = {ph: [st for st in program.steps if st.phase == ph and st.how != "alias"]
+             for ph in ("forward", "backward")}
+    if not steps["forward"] or not steps["backward"]:
+        return ()
+    fwd, bwd = steps["forward"][-1], steps["backward"][0]
+    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
+            or fwd.inputs[:3] != bwd.inputs[1:4] or fwd.attrs.get("softcap") is not None \
+            or any(k in getattr(program, "computes", {}) for k in fwd.outputs[:1]):
+        return ()
+    return (Fusion("fused_lm_head_loss_and_grad", (fwd.index, bwd.index), (bwd.inputs[0], *fwd.inputs),
+                   (*fwd.outputs, *bwd.outputs[:2])),)
+
+
 def roofline(program: Any, device: str = "h100", matmul: str = "fp32") -> Roofline:
     """The roofline of ``program`` (a compiled training Program) on ``device`` (a key of
     :data:`DEVICES`), its FLOP-heavy ops on CUDA cores (``fp32``) or tensor cores (``tf32``, ``bf16``)."""
@@ -81,6 +210,8 @@ def roofline(program: Any, device: str = "h100", matmul: str = "fp32") -> Roofli
         raise KilnError(f"unknown device {device!r}; kiln knows {', '.join(sorted(DEVICES))}")
     if matmul not in MATMUL:
         raise KilnError(f"matmul={matmul!r} is not one of {', '.join(MATMUL)}")
+    from kiln.cuda import _ops
+
     dev, registry = DEVICES[device], op_registry()
 
     def matmul_like(op_type: str, flops: float, nbytes: float) -> bool:
@@ -97,27 +228,42 @@ def roofline(program: Any, device: str = "h100", matmul: str = "fp32") -> Roofli
             return cost.flops, cost.bytes
         return 0.0, float(sum(program.tensors[k].nbytes for k in st.outputs if k))
 
-    fused = {i: f for f in getattr(program, "fusions", ()) for i in f.steps}
+    fused = {i: f for f in (getattr(program, "fusions", ()) or _as_cuda_fuses(program)) for i in f.steps}
     by_op: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0, 0.0, 0.0, 0.0])
     total = model_flops = 0.0
     for st in program.steps:
         if st.how == "alias":
             continue
         fusion = fused.get(st.index) if fused else None
-        if fusion is None:
+        if fusion is None and st.op.type in LM_HEAD_STEPS:  # the CUDA composition's tiles, kernel by kernel
+            x_shape, w_shape = (program.tensors[st.inputs[i]].shape for i in LM_HEAD_STEPS[st.op.type])
+            n, c, v = math.prod(x_shape[:-1]), x_shape[-1], w_shape[0]
+            op_type, heavy = st.op.type, True
+            phase = "forward" if op_type == "fused_lm_head_loss" else "backward"
+            rows = max(1, min(n, _ops.LOGITS_TILE // max(v, 1)))
+            secs, flops, nbytes = lm_head_cost(n, v, c, rows, v, device, matmul, phase,
+                                               st.attrs.get("softcap") is not None)
+            peak = dev.tensor[matmul] if matmul != "fp32" else dev.fp32
+            compute, memory = flops / peak, nbytes / dev.bandwidth
+        elif fusion is None:
             op_type, (flops, nbytes) = st.op.type, cost_of(st)
             heavy = matmul_like(op_type, flops, nbytes)
         elif st.index != fusion.steps[0]:
             continue
-        else:  # the fused steps' costs, less the logits product and the reads of x and w they repeat
-            costs = [cost_of(program.steps[i]) for i in fusion.steps]
+        else:  # the fused pass, kernel by kernel, in the tiling it would run (lm_head_plan)
             (n, c), v = program.tensors[fusion.inputs[1]].shape, program.tensors[fusion.inputs[2]].shape[0]
             op_type, heavy = fusion.kind, True
-            flops = sum(f for f, _ in costs) - 2.0 * n * v * c
-            nbytes = sum(b for _, b in costs) - 4.0 * (n * c + v * c)
-        peak = dev.tensor[matmul] if heavy and matmul != "fp32" else dev.fp32
-        compute, memory = flops / peak, nbytes / dev.bandwidth
-        secs = max(compute, memory) + dev.launch
+            plan = lm_head_plan(n, v, c, _ops.LOGITS_TILE, device, matmul)
+            secs, flops, nbytes = lm_head_cost(n, v, c, *plan, device, matmul)
+            peak = dev.tensor[matmul] if matmul != "fp32" else dev.fp32
+            compute, memory = flops / peak, nbytes / dev.bandwidth
+            # MFU counts the head's three products (the logits, d_x, d_W), not the second pass's logits:
+            # 6 n v c in all, the ``flops`` added below replaced
+            model_flops += 6.0 * n * v * c - flops
+        if fusion is None and st.op.type not in LM_HEAD_STEPS:
+            peak = dev.tensor[matmul] if heavy and matmul != "fp32" else dev.fp32
+            compute, memory = flops / peak, nbytes / dev.bandwidth
+            secs = max(compute, memory) + dev.launch
         total += secs
         if heavy:
             model_flops += flops

@@ -53,7 +53,13 @@ def _attention_mma() -> dict[str, KernelSpec]:
             out |= _specs("attention_mma.cu", **{
                 f"flash_attention_{variant}{hd}_bf16": "pppp iiiiii ff i",
                 f"flash_attention_backward_dq_{variant}{hd}_bf16": "pppppppp iiiiii ff i",
-                f"flash_attention_backward_dkv_{variant}{hd}_bf16": "pppppp iiiiii ff i"})
+                f"flash_attention_backward_dkv_{variant}{hd}_bf16": "pppppp iiiiii ff i",
+                # the bf16 recipe's: a float32 qkv rounded on load; d_qkv written as float32
+                f"flash_attention_{variant}{hd}_bf16_f": "pppp iiiiii ff i",
+                **{f"flash_attention_backward_dq_{variant}{hd}_bf16_{qg}": "pppppppp iiiiii ff i"
+                   for qg in ("hf", "ff")},
+                **{f"flash_attention_backward_dkv_{variant}{hd}_bf16_{qg}": "pppppp iiiiii ff i"
+                   for qg in ("hf", "ff")}})
     return out
 
 
@@ -70,13 +76,18 @@ SPECS: dict[str, KernelSpec] = {
              layernorm_backward_dw_f32="ppppppqi"),
     **_specs("softmax.cu", softmax_f32="ppiq", softmax_backward_f32="pppiq"),
     **_specs("loss.cu", cross_entropy_f32="ppppii", cross_entropy_backward_f32="ppppppii",
-             lm_head_loss_grad_f32="pppppii", lm_head_loss_grad_bf16="ppppppii"),
+             lm_head_loss_grad_f32="pppppii", lm_head_loss_grad_bf16="ppppppii",
+             lm_head_lse_chunk_f32="pppppiii", lm_head_lse_chunk_bf16="pppppiii",
+             lm_head_lse_done_f32="pppppiii", lm_head_grad_chunk_f32="ppppiii",
+             lm_head_grad_chunk_bf16="pppppiii"),
     **_specs("embedding.cu", embedding_f32="pppqi", embedding_backward_f32="pppqiiii"),
     **_specs("rope.cu", rope_f32="ppppiiiiiifii", rope_freqs_f32="ppqif"),
     **_specs("optimizer.cu", adamw_f32="ppppqffffffff", adamw_multi_f32="ppiffffffff", sgd_f32="pppqfffiiff",
              sumsq_partial_f32="pqp", sqrt_sum_f32="pqp", clip_scale_f32="p",
              adamw_multi_dev_f32="ppipiff fff"),
-    **_specs("matmul.cu", matmul_f32="ppppiiiiiqqqff", matmul_bf16="ppppiiiiiqqqff"),
+    **_specs("matmul.cu", matmul_f32="ppppiiiiiqqqff", matmul_bf16="ppppiiiiiqqqff",
+             **{f"matmul_bf16_{v}": "ppppiiiiiqqqff"
+                for v in ("hhh", "hff", "hfh", "fhf", "fhh", "fff", "ffh")}),
     **_specs("moe.cu", moe_sigmoid_f32="ppq", moe_sigmoid_backward_f32="pppq", moe_topk_f32="pppiiii",
              moe_topk_backward_f32="ppppiiii", moe_route_f32="pppii", moe_gather_rows_f32="pppqii",
              moe_invert_f32="ppq", moe_combine_rows_f32="ppppqii", moe_unpermute_dy_f32="ppppqii",

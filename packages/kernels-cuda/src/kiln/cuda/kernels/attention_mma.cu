@@ -52,14 +52,22 @@ struct Attn {
     __device__ int query_end(int j1) const { return window > 0 ? min(T, j1 - 1 + window) : T; }
 };
 
-// Rows [r0, r0 + n) of a [T, stride] bf16 matrix (columns [0, D) of each row) into tile[n][HD + PAD];
-// zeros past T, past D, and everywhere when base is null.
-template <int HD>
-__device__ void load_tile(bf16 (*tile)[HD + PAD], int n, const bf16* base, long long stride, int r0, int T,
+// An element of qkv as bf16: a bf16 one as it is, a float32 one rounded to nearest even (the bf16 recipe's
+// rounding of attention's input, with no rounded copy of qkv); a gradient stored into d_qkv's type: bf16,
+// or float32 holding the bf16 value (as a bf16 result widened).
+__device__ __forceinline__ bf16 as_bf16(bf16 x) { return x; }
+__device__ __forceinline__ bf16 as_bf16(float x) { return f32_to_bf16(x); }
+__device__ __forceinline__ void put_bf16(bf16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+__device__ __forceinline__ void put_bf16(float* p, long long i, float v) { p[i] = round_bf16(v); }
+
+// Rows [r0, r0 + n) of a [T, stride] bf16 (or float32, rounded) matrix (columns [0, D) of each row) into
+// tile[n][HD + PAD]; zeros past T, past D, and everywhere when base is null.
+template <int HD, typename QT>
+__device__ void load_tile(bf16 (*tile)[HD + PAD], int n, const QT* base, long long stride, int r0, int T,
                           int D) {
     for (int e = threadIdx.x; e < n * HD; e += blockDim.x) {
         int r = e / HD, c = e % HD;
-        tile[r][c] = (base && r0 + r < T && c < D) ? base[(r0 + r) * stride + c] : (bf16)0;
+        tile[r][c] = (base && r0 + r < T && c < D) ? as_bf16(base[(r0 + r) * stride + c]) : (bf16)0;
     }
 }
 
@@ -98,27 +106,27 @@ __device__ __forceinline__ void c_to_a(unsigned* a, const float* c0, const float
 }
 
 // Columns [0, D) of a warp's 16 x HD accumulator (times f) into rows r0, r0 + 8 of its C layout.
-template <int HD>
-__device__ void store_rows(const float (*acc)[4], float f, bf16* base, long long stride, int r0, int T, int D) {
+template <int HD, typename GT>
+__device__ void store_rows(const float (*acc)[4], float f, GT* base, long long stride, int r0, int T, int D) {
     int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int r = r0 + g + 8 * (e / 2), c = 8 * dn + 2 * t + (e & 1);
-            if (r < T && c < D) base[r * stride + c] = f32_to_bf16(acc[dn][e] * f);
+            if (r < T && c < D) put_bf16(base, r * stride + c, acc[dn][e] * f);
         }
 }
 
 // flash_attention: out = softmax(logits) v over the keys each query sees, lse = log-sum-exp of the logits
 // (+inf, out = 0, for a row that sees none). Grid (cdiv(T, 64), Hq, B), 128 threads.
-template <bool TC, int HD>
-__device__ void attn_forward(const bf16* qkv, bf16* out, float* lse, Attn a) {
+template <bool TC, int HD, typename QT>
+__device__ void attn_forward(const QT* qkv, bf16* out, float* lse, Attn a) {
     __shared__ bf16 qs[FWD_ROWS][HD + PAD], ks[FWD_KEYS][HD + PAD], vs[FWD_KEYS][HD + PAD];
     int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     int q0 = blockIdx.x * FWD_ROWS, h = blockIdx.y, kvh = h / (a.Hq / a.Hkv), D = a.D;
     long long F = (long long)(a.Hq + 2 * a.Hkv) * D;
-    const bf16* seq = qkv + a.b * a.T * F;
+    const QT* seq = qkv + a.b * a.T * F;
     float slope = a.alibi ? alibi_slope(h, a.Hq) : 0.0f;
     load_tile<HD>(qs, FWD_ROWS, seq + (long long)h * D, F, q0, a.T, D);
     int rows[2] = {q0 + 16 * w + g, q0 + 16 * w + g + 8};
@@ -208,16 +216,16 @@ __device__ void attn_forward(const bf16* qkv, bf16* out, float* lse, Attn a) {
 // flash_attention_backward, queries: with P = exp(logit - lse), dP = dO v^T and shift = d_lse - rowsum(dO O),
 // dS = P (dP + shift) (times 1 - th^2 under a softcap) and dq = scale dS k. Writes each row's shift for
 // the key kernel. d_out and d_lse may be null. Grid (cdiv(T, 64), Hq, B), 128 threads.
-template <bool TC, int HD>
-__device__ void attn_backward_dq(const bf16* d_out, const bf16* qkv, const bf16* out, const float* lse,
-                                 const float* d_lse, bf16* d_qkv, float* shift, Attn a) {
+template <bool TC, int HD, typename QT, typename GT>
+__device__ void attn_backward_dq(const bf16* d_out, const QT* qkv, const bf16* out, const float* lse,
+                                 const float* d_lse, GT* d_qkv, float* shift, Attn a) {
     __shared__ bf16 qs[DQ_ROWS][HD + PAD], dos[DQ_ROWS][HD + PAD], ks[DQ_KEYS][HD + PAD],
         vs[DQ_KEYS][HD + PAD];
     __shared__ float sh[DQ_ROWS], ls[DQ_ROWS];
     int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     int q0 = blockIdx.x * DQ_ROWS, h = blockIdx.y, kvh = h / (a.Hq / a.Hkv), D = a.D;
     long long F = (long long)(a.Hq + 2 * a.Hkv) * D, O = (long long)a.Hq * D;
-    const bf16* seq = qkv + a.b * a.T * F;
+    const QT* seq = qkv + a.b * a.T * F;
     float slope = a.alibi ? alibi_slope(h, a.Hq) : 0.0f;
     load_tile<HD>(qs, DQ_ROWS, seq + (long long)h * D, F, q0, a.T, D);
     load_tile<HD>(dos, DQ_ROWS, d_out ? d_out + a.b * a.T * O + (long long)h * D : nullptr, O, q0, a.T, D);
@@ -291,16 +299,16 @@ __device__ void attn_backward_dq(const bf16* d_out, const bf16* qkv, const bf16*
 // flash_attention_backward, keys: over the group's query heads and the queries that see them,
 // dv = P^T dO and dk = scale dS^T q (P, dS as in the query kernel, whose shifts it reads; it runs after).
 // A warp owns 16 keys. Grid (cdiv(T, 64), Hkv, B), 128 threads.
-template <bool TC, int HD>
-__device__ void attn_backward_dkv(const bf16* d_out, const bf16* qkv, const float* lse, const float* shift,
-                                  bf16* d_qkv, Attn a) {
+template <bool TC, int HD, typename QT, typename GT>
+__device__ void attn_backward_dkv(const bf16* d_out, const QT* qkv, const float* lse, const float* shift,
+                                  GT* d_qkv, Attn a) {
     __shared__ bf16 ks[DKV_KEYS][HD + PAD], vs[DKV_KEYS][HD + PAD], qs[DKV_ROWS][HD + PAD],
         dos[DKV_ROWS][HD + PAD];
     __shared__ float sh[DKV_ROWS], ls[DKV_ROWS];
     int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     int j0 = blockIdx.x * DKV_KEYS, kvh = blockIdx.y, rep = a.Hq / a.Hkv, D = a.D;
     long long F = (long long)(a.Hq + 2 * a.Hkv) * D, O = (long long)a.Hq * D;
-    const bf16* seq = qkv + a.b * a.T * F;
+    const QT* seq = qkv + a.b * a.T * F;
     load_tile<HD>(ks, DKV_KEYS, seq + (long long)(a.Hq + kvh) * D, F, j0, a.T, D);
     load_tile<HD>(vs, DKV_KEYS, seq + (long long)(a.Hq + a.Hkv + kvh) * D, F, j0, a.T, D);
     int keys[2] = {j0 + 16 * w + g, j0 + 16 * w + g + 8};
@@ -468,3 +476,65 @@ extern "C" __global__ void flash_attention_backward_dkv_tc128_bf16(
 }
 
 #endif
+
+// The bf16 recipe's variants on the slots as a Program holds them: _bf16_f reads a float32 qkv (rounded on
+// load); the backward's _bf16_<qkv><d_qkv> (h: bf16, f: float32) write d_qkv as float32 (bf16 values).
+#define FWD_PARAMS(QT)                                                                                          \
+    const QT *qkv, const int *seg, bf16 *out, float *lse, int T, int Hq, int Hkv, int D, int causal, int window, \
+        float scale, float softcap, int alibi
+#define FWD_BODY(TC, HD)                                                                                        \
+    { attn_forward<TC, HD>(qkv, out, lse, attn(T, Hq, Hkv, D, causal, window, scale, softcap, alibi, seg)); }
+#define DQ_PARAMS(QT, GT)                                                                                       \
+    const bf16 *d_out, const QT *qkv, const bf16 *out, const float *lse, const float *d_lse, const int *seg,    \
+        GT *d_qkv, float *shift, int T, int Hq, int Hkv, int D, int causal, int window, float scale,            \
+        float softcap, int alibi
+#define DQ_BODY(TC, HD)                                                                                         \
+    {                                                                                                           \
+        attn_backward_dq<TC, HD>(d_out, qkv, out, lse, d_lse, d_qkv, shift,                                     \
+                                 attn(T, Hq, Hkv, D, causal, window, scale, softcap, alibi, seg));              \
+    }
+#define DKV_PARAMS(QT, GT)                                                                                      \
+    const bf16 *d_out, const QT *qkv, const float *lse, const float *shift, const int *seg, GT *d_qkv, int T,   \
+        int Hq, int Hkv, int D, int causal, int window, float scale, float softcap, int alibi
+#define DKV_BODY(TC, HD)                                                                                        \
+    {                                                                                                           \
+        attn_backward_dkv<TC, HD>(d_out, qkv, lse, shift, d_qkv,                                                \
+                                  attn(T, Hq, Hkv, D, causal, window, scale, softcap, alibi, seg));             \
+    }
+
+extern "C" __global__ void flash_attention_twin64_bf16_f(FWD_PARAMS(float)) FWD_BODY(false, 64)
+extern "C" __global__ void flash_attention_backward_dq_twin64_bf16_hf(DQ_PARAMS(bf16, float))
+    DQ_BODY(false, 64)
+extern "C" __global__ void flash_attention_backward_dkv_twin64_bf16_hf(DKV_PARAMS(bf16, float))
+    DKV_BODY(false, 64)
+extern "C" __global__ void flash_attention_backward_dq_twin64_bf16_ff(DQ_PARAMS(float, float))
+    DQ_BODY(false, 64)
+extern "C" __global__ void flash_attention_backward_dkv_twin64_bf16_ff(DKV_PARAMS(float, float))
+    DKV_BODY(false, 64)
+extern "C" __global__ void flash_attention_twin128_bf16_f(FWD_PARAMS(float)) FWD_BODY(false, 128)
+extern "C" __global__ void flash_attention_backward_dq_twin128_bf16_hf(DQ_PARAMS(bf16, float))
+    DQ_BODY(false, 128)
+extern "C" __global__ void flash_attention_backward_dkv_twin128_bf16_hf(DKV_PARAMS(bf16, float))
+    DKV_BODY(false, 128)
+extern "C" __global__ void flash_attention_backward_dq_twin128_bf16_ff(DQ_PARAMS(float, float))
+    DQ_BODY(false, 128)
+extern "C" __global__ void flash_attention_backward_dkv_twin128_bf16_ff(DKV_PARAMS(float, float))
+    DKV_BODY(false, 128)
+extern "C" __global__ void flash_attention_tc64_bf16_f(FWD_PARAMS(float)) FWD_BODY(true, 64)
+extern "C" __global__ void flash_attention_backward_dq_tc64_bf16_hf(DQ_PARAMS(bf16, float))
+    DQ_BODY(true, 64)
+extern "C" __global__ void flash_attention_backward_dkv_tc64_bf16_hf(DKV_PARAMS(bf16, float))
+    DKV_BODY(true, 64)
+extern "C" __global__ void flash_attention_backward_dq_tc64_bf16_ff(DQ_PARAMS(float, float))
+    DQ_BODY(true, 64)
+extern "C" __global__ void flash_attention_backward_dkv_tc64_bf16_ff(DKV_PARAMS(float, float))
+    DKV_BODY(true, 64)
+extern "C" __global__ void flash_attention_tc128_bf16_f(FWD_PARAMS(float)) FWD_BODY(true, 128)
+extern "C" __global__ void flash_attention_backward_dq_tc128_bf16_hf(DQ_PARAMS(bf16, float))
+    DQ_BODY(true, 128)
+extern "C" __global__ void flash_attention_backward_dkv_tc128_bf16_hf(DKV_PARAMS(bf16, float))
+    DKV_BODY(true, 128)
+extern "C" __global__ void flash_attention_backward_dq_tc128_bf16_ff(DQ_PARAMS(float, float))
+    DQ_BODY(true, 128)
+extern "C" __global__ void flash_attention_backward_dkv_tc128_bf16_ff(DKV_PARAMS(float, float))
+    DKV_BODY(true, 128)

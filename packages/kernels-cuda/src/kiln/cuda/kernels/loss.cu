@@ -90,3 +90,75 @@ extern "C" __global__ void lm_head_loss_grad_bf16(const float* d_loss, const flo
     for (int c = threadIdx.x; c < V; c += blockDim.x)
         gr[c] = f32_to_bf16(expf(round_bf16(zr[c]) - l) * dl - (c == t ? dl : 0.0f));
 }
+
+// The LM head's pass tiled over the vocabulary too (kiln.cuda._ops._vocab_tiled_pass): a row block's logits
+// come a chunk [v0, v0 + Vc) at a time, z [rows, Vc]. Pass 1 runs lm_head_lse_chunk on every chunk (the
+// online log-sum-exp: a running maximum m and sum s of exp(z - m), rescaled as the maximum grows, and the
+// target's logit zt where the target lies in the chunk; first: the row's first chunk), then lm_head_lse_done
+// once; pass 2 recomputes each chunk and turns it into its gradient with lm_head_grad_chunk. The bf16
+// twins read the logits rounded to bf16 and write the gradient as bf16: lm_head_loss_grad_bf16's rounding
+// points. One block per row, grid = rows.
+template <bool BF16>
+__device__ void lse_chunk(const float* z, const int* targets, float* m, float* s, float* zt, int Vc, int v0,
+                          int first) {
+    long long row = blockIdx.x;
+    const float* zr = z + row * Vc;
+    float mc = -INFINITY;
+    for (int c = threadIdx.x; c < Vc; c += blockDim.x) mc = fmaxf(mc, BF16 ? round_bf16(zr[c]) : zr[c]);
+    mc = block_max(mc);
+    float mo = first ? -INFINITY : m[row];  // every thread reads before block_sum's barriers; thread 0 writes after
+    float mn = fmaxf(mo, mc), sc = 0.0f;
+    if (mn != -INFINITY)
+        for (int c = threadIdx.x; c < Vc; c += blockDim.x) sc += expf((BF16 ? round_bf16(zr[c]) : zr[c]) - mn);
+    sc = block_sum(sc);
+    if (threadIdx.x == 0) {
+        float so = first || mo == -INFINITY ? 0.0f : s[row] * expf(mo - mn);
+        m[row] = mn;
+        s[row] = so + sc;
+        int t = targets[row] - v0;
+        if (t >= 0 && t < Vc) zt[row] = BF16 ? round_bf16(zr[t]) : zr[t];
+    }
+}
+
+extern "C" __global__ void lm_head_lse_chunk_f32(const float* z, const int* targets, float* m, float* s,
+                                                 float* zt, int Vc, int v0, int first) {
+    lse_chunk<false>(z, targets, m, s, zt, Vc, v0, first);
+}
+
+extern "C" __global__ void lm_head_lse_chunk_bf16(const float* z, const int* targets, float* m, float* s,
+                                                  float* zt, int Vc, int v0, int first) {
+    lse_chunk<true>(z, targets, m, s, zt, Vc, v0, first);
+}
+
+// After the last chunk, per row (elementwise over rows): lse = m + log(s), loss = lse - zt (0 where ignored,
+// NaN for a target outside [0, V)). lse holds m on entry; zt may be loss's own storage.
+extern "C" __global__ void lm_head_lse_done_f32(const float* s, const float* zt, const int* targets, float* loss,
+                                                float* lse, int rows, int V, int ignore_index) {
+    for (long long i = first_index(); i < rows; i += grid_stride()) {
+        float l = lse[i] + logf(s[i]), z = zt[i];
+        int t = targets[i];
+        lse[i] = l;
+        loss[i] = t == ignore_index ? 0.0f : (t >= 0 && t < V ? l - z : NAN);
+    }
+}
+
+// Pass 2 on a chunk: its gradient (softmax - onehot(target)) * d_loss, in place of z (f32) or into g (bf16).
+extern "C" __global__ void lm_head_grad_chunk_f32(const float* d_loss, float* z, const int* targets,
+                                                  const float* lse, int Vc, int v0, int ignore_index) {
+    long long row = blockIdx.x;
+    float* zr = z + row * Vc;
+    int t = targets[row] - v0;
+    float dl = (d_loss && targets[row] != ignore_index) ? d_loss[row] : 0.0f, l = lse[row];
+    for (int c = threadIdx.x; c < Vc; c += blockDim.x) zr[c] = expf(zr[c] - l) * dl - (c == t ? dl : 0.0f);
+}
+
+extern "C" __global__ void lm_head_grad_chunk_bf16(const float* d_loss, const float* z, const int* targets,
+                                                   const float* lse, bf16* g, int Vc, int v0, int ignore_index) {
+    long long row = blockIdx.x;
+    const float* zr = z + row * Vc;
+    bf16* gr = g + row * Vc;
+    int t = targets[row] - v0;
+    float dl = (d_loss && targets[row] != ignore_index) ? d_loss[row] : 0.0f, l = lse[row];
+    for (int c = threadIdx.x; c < Vc; c += blockDim.x)
+        gr[c] = f32_to_bf16(expf(round_bf16(zr[c]) - l) * dl - (c == t ? dl : 0.0f));
+}
