@@ -131,3 +131,24 @@ def test_a_program_compiled_for_numpy_is_priced_as_cuda_plans_it(precision: str)
     if precision == "fp32":  # the plan's own fusion and the one the roofline infers cost the same
         inferred = roofline(attrs.evolve(prog, fusions=()), "h100", matmul)
         assert inferred.seconds == pytest.approx(roofline(prog, "h100", matmul).seconds)
+
+
+def test_kiln_plan_with_a_device_does_not_time_the_host_step(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--device`` and a plan that replays steps, ``kiln plan`` prints the device's prediction (the
+    replays priced there) and does not calibrate this host's kernels over a whole step (minutes for a
+    large model); without ``--device`` it does."""
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    from kiln.core.plan import _calibrate
+
+    calls = []
+    real = _calibrate.predict
+    monkeypatch.setattr(_calibrate, "predict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = ('{"vocab_size": 512, "d_model": 64, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, '
+              '"head_size": 16, "d_ff": 128, "max_seq": 256}')
+    args = ["plan", "Qwen3Model", "--config", config, "--batch", "2", "--seq", "64", "--recompute", "block"]
+    assert main([*args, "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time on h100:" in out and "recompute overhead" not in out and not calls
+    assert main(args) == 0
+    assert "recompute overhead: predicted" in capsys.readouterr().out and calls

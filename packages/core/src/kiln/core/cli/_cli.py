@@ -336,7 +336,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if ranks:
         print()
         print(_rank_table(args, ranks))
-    if plan.mode != "none" and getattr(prog, "task", "train") == "train" and not ranks:
+    # the host's calibrated kernels time a whole step (minutes for a large model): not with --device,
+    # whose prediction prices the replayed steps on that device
+    if plan.mode != "none" and getattr(prog, "task", "train") == "train" and not ranks \
+            and not getattr(args, "device", None):
         print()
         print(_recompute_overhead(prog, bundle, binds, s, options, getattr(args, "measure", False)))
     if getattr(args, "device", None):
