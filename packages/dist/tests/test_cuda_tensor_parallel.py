@@ -108,9 +108,7 @@ class Counting(EmulatedDevice):
 
 
 def _put(dev: EmulatedDevice, a: np.ndarray) -> DeviceArray:
-    ptr = dev.alloc(max(a.nbytes, 1))
-    dev.copy_to_device(ptr, np.ascontiguousarray(a))
-    return DeviceArray(dev, ptr, a.shape, str(a.dtype))
+    return DeviceArray.upload(dev, a)
 
 
 def _get(a: DeviceArray) -> np.ndarray:

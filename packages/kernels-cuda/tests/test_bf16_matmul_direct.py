@@ -39,12 +39,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def _dev(device: EmulatedDevice, a: np.ndarray | None) -> DeviceArray | None:
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    ptr = device.alloc(a.nbytes)
-    device.copy_to_device(ptr, a)
-    return DeviceArray(device, ptr, a.shape, str(a.dtype))
+    return None if a is None else DeviceArray.upload(device, a)
 
 
 def _empty(device: EmulatedDevice, shape: Sequence[int], dtype: str = "float32") -> DeviceArray:

@@ -63,12 +63,7 @@ def _inputs(shape: tuple[Any, ...], seed: int = 0) -> tuple[tuple[np.ndarray | N
 
 
 def _dev(device: Any, a: np.ndarray | None) -> DeviceArray | None:
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a, np.float32)
-    ptr = device.alloc(a.nbytes)
-    device.copy_to_device(ptr, a)
-    return DeviceArray(device, ptr, a.shape, "float32")
+    return None if a is None else DeviceArray.upload(device, np.asarray(a, np.float32))
 
 
 def _host(a: DeviceArray) -> np.ndarray:

@@ -63,9 +63,7 @@ def test_docs_name_every_core_op_in_the_kernel_table() -> None:
 
 
 def _on_device(device: EmulatedDevice, a: np.ndarray) -> DeviceArray:
-    d = DeviceArray(device, device.alloc(max(a.nbytes, 4)), a.shape, str(a.dtype))
-    device.copy_to_device(d.ptr, np.ascontiguousarray(a))
-    return d
+    return DeviceArray.upload(device, a)
 
 
 def _host(d: DeviceArray) -> np.ndarray:

@@ -812,12 +812,7 @@ _UPDATES = ("adamw_update", "sgd_update")
 
 
 def _to_device(device: Any, a: np.ndarray | None) -> DeviceArray | None:
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    ptr = device.alloc(a.nbytes)
-    device.copy_to_device(ptr, a)
-    return DeviceArray(device, ptr, a.shape, str(a.dtype))
+    return None if a is None else DeviceArray.upload(device, a)
 
 
 def _to_host(a: DeviceArray) -> np.ndarray:

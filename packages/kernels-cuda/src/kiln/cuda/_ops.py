@@ -35,6 +35,15 @@ class DeviceArray:
     shape: tuple[int, ...]
     dtype: str
 
+    @classmethod
+    def upload(cls, device: Any, a: np.ndarray) -> DeviceArray:
+        """A new allocation on ``device`` holding a copy of the host array ``a`` (its dtype: ``bfloat16``
+        for ml_dtypes' bf16): how checks and tests put their inputs on a device."""
+        a = np.ascontiguousarray(a)
+        ptr = device.alloc(max(a.nbytes, 4))
+        device.copy_to_device(ptr, a)
+        return cls(device, ptr, a.shape, str(a.dtype))
+
     def reshape(self, shape: Sequence[int]) -> DeviceArray:
         """The same memory with another shape of as many elements."""
         if math.prod(shape) != self.size:
