@@ -183,22 +183,16 @@ class Roofline:
 def _as_cuda_fuses(program: Any) -> tuple[Any, ...]:
     """The LM head's fused pass the ``cuda`` backend would plan for a Program compiled for another backend
     (``kiln plan`` and ``kiln cuda roofline`` compile for ``numpy``, which has no bf16 pass and so fuses
-    nothing under the bf16 recipe): its last forward step ``fused_lm_head_loss`` and first backward step
-    ``fused_lm_head_loss_backward`` on the same operands, no softcap (the CUDA pass has none), not moved
-    off the recipe by an annotation (``computes``). A Program compiled for ``cuda`` keeps its own choice."""
-    from kiln.core.plan import Fusion
+    nothing under the bf16 recipe): kiln-core's pairing of the head's two steps (``head_pair``). A Program
+    compiled for ``cuda`` keeps its own choice."""
+    from kiln.core.plan import Fusion, head_pair
 
     if getattr(program, "backend", "cuda") == "cuda" or getattr(program, "task", "train") != "train":
         return ()
-    steps = {ph: [st for st in program.steps if st.phase == ph and st.how != "alias"]
-             for ph in ("forward", "backward")}
-    if not steps["forward"] or not steps["backward"]:
+    pair = head_pair(program.steps, getattr(program, "computes", {}))
+    if pair is None:
         return ()
-    fwd, bwd = steps["forward"][-1], steps["backward"][0]
-    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
-            or fwd.inputs[:3] != bwd.inputs[1:4] or fwd.attrs.get("softcap") is not None \
-            or any(k in getattr(program, "computes", {}) for k in fwd.outputs[:1]):
-        return ()
+    fwd, bwd = pair
     return (Fusion("fused_lm_head_loss_and_grad", (fwd.index, bwd.index), (bwd.inputs[0], *fwd.inputs),
                    (*fwd.outputs, *bwd.outputs[:2])),)
 

@@ -15,6 +15,7 @@ from kiln.core.plan._program import (
     Target,
     Tensor,
     compile,
+    head_pair,
     measure,
 )
 from kiln.core.plan.recompute import RecomputePlan
@@ -41,6 +42,7 @@ __all__ = [
     "Target",
     "Tensor",
     "compile",
+    "head_pair",
     "make_optimizer",
     "measure",
     "precision_recipe",

@@ -1351,6 +1351,28 @@ def persistent_layout(params: Sequence[tuple[str, ParamSpec, tuple[int, ...], bo
     return out, offset
 
 
+def head_pair(steps: Sequence[Step], computes: Mapping[str, str]) -> tuple[Step, Step] | None:
+    """The LM head's two steps one fused pass can run: the forward's last step ``fused_lm_head_loss`` and
+    the backward's first ``fused_lm_head_loss_backward``, seeded by ``d_loss``, on the forward's inputs and
+    log-sum-exp, with the same attributes and no softcap, neither moved off the recipe by an annotation
+    (``computes``); None where the steps are not such a pair. ``compile`` plans the fusion from it where
+    the backend can run it; a step-time model prices a Program for another backend with it."""
+    fwds = [st for st in steps if st.phase == "forward" and st.how != "alias"]
+    bwds = [st for st in steps if st.phase == "backward" and st.how != "alias"]
+    if not fwds or not bwds:
+        return None
+    fwd, bwd = fwds[-1], bwds[0]
+    keys = ("ignore_index", "chunk_size", "softcap")
+    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
+            or any(k in computes for st in (fwd, bwd) for k in st.outputs[:1]) \
+            or {k: fwd.attrs.get(k) for k in keys} != {k: bwd.attrs.get(k) for k in keys} \
+            or fwd.attrs.get("softcap") is not None or bwd.inputs[0] != SEED \
+            or tuple(bwd.inputs[1:4]) != tuple(fwd.inputs) or bwd.inputs[4] != fwd.outputs[1] \
+            or bwd.inputs[5] or not all(fwd.outputs):
+        return None
+    return fwd, bwd
+
+
 def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]:
     """The LM-head loss and its backward as one pass, where the backend implements it.
 
@@ -1372,22 +1394,12 @@ def _fusions(s: _Scheduler, tensors: Mapping[str, Tensor]) -> tuple[Fusion, ...]
     recipe = s.target.precision
     dtype = str(recipe.low) if recipe.lowers else s.target.dtype
     kernel = s.target.kernels.lookup(FUSED_HEAD, backend, dtype)
-    steps = {ph: [st for st in s.steps if st.phase == ph and st.how != "alias"]
-             for ph in ("forward", "backward")}
-    if kernel is None or not steps["forward"] or not steps["backward"]:
+    pair = head_pair(s.steps, s.computes) if kernel is not None else None
+    if pair is None:
         return ()
-    fwd, bwd = steps["forward"][-1], steps["backward"][0]
-    if any(k in s.computes for st in (fwd, bwd) for k in st.outputs[:1]):
-        return ()
+    fwd, bwd = pair
     if recipe.lowers and (kernel.dtype != dtype or not all(
             st.kernel and s.target.kernels[st.kernel].dtype == dtype for st in (fwd, bwd))):
-        return ()
-    keys = ("ignore_index", "chunk_size", "softcap")
-    if (fwd.op.type, bwd.op.type) != ("fused_lm_head_loss", "fused_lm_head_loss_backward") \
-            or {k: fwd.attrs.get(k) for k in keys} != {k: bwd.attrs.get(k) for k in keys} \
-            or fwd.attrs.get("softcap") is not None or bwd.inputs[0] != SEED \
-            or tuple(bwd.inputs[1:4]) != tuple(fwd.inputs) or bwd.inputs[4] != fwd.outputs[1] \
-            or bwd.inputs[5] or not all(fwd.outputs):
         return ()
 
     def ranges(names: Sequence[str]) -> list[tuple[int, int]]:
