@@ -53,8 +53,11 @@ recompute = "none"
 
 
 def kiln(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``kiln train ARGS``; a rank that hangs stops the job (KILN_DIST_TIMEOUT) well before the test's
+    own timeout, naming what it waited for."""
     return subprocess.run([sys.executable, "-m", "kiln.core", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "KILN_NUM_THREADS": "1"})
+                          text=True, timeout=300,
+                          env={**os.environ, "KILN_NUM_THREADS": "1", "KILN_DIST_TIMEOUT": "150"})
 
 
 def records(folder: Path) -> list[dict[str, float]]:
@@ -260,3 +263,75 @@ def test_mpiexec_of_kiln_train_trains_as_nproc(tmp_path: Path) -> None:
     nested = subprocess.run([launcher(), "-n", "1", sys.executable, "-m", "kiln.core", "train", str(typed),
                              "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert nested.returncode != 0 and "under mpiexec or srun leave it out" in nested.stderr, nested.stderr
+
+
+def with_rank_patch(folder: Path, code: str) -> dict[str, str]:
+    """The environment of a run whose ranks first run ``code`` (a ``sitecustomize`` module; ``RANK`` is
+    the MPI rank, -1 outside a job): how a test makes one rank fail or wait."""
+    site = folder / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text("import os\nRANK = int(os.environ.get('PMI_RANK', -1))\n" + code)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "KILN_NUM_THREADS": "1"}
+
+
+def test_a_rank_that_fails_stops_the_job_at_once_with_its_error(tmp_path: Path) -> None:
+    """Rank 1 alone fails: the job ends now with its error and exit status (not after the other rank
+    waited out its collective), the error printed once, without MPICH's abort line."""
+    config = write_run(tmp_path, "failing")
+    env = with_rank_patch(tmp_path, """
+if RANK == 1:
+    from kiln.core import KilnError
+    from kiln.hf import _train
+
+    def refuse(self, vocab_size):
+        raise KilnError("rank one cannot build its model")
+
+    _train._Run.build_model = refuse
+""")
+    env["KILN_DIST_TIMEOUT"] = "120"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kiln.core", "train", str(config), "--nproc", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
+    assert time.monotonic() - start < 60, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("kiln: error: rank one cannot build its model") == 1, done.stderr
+    assert "Traceback" not in done.stderr and "MPI_Abort" not in done.stderr, done.stderr
+
+
+def test_every_rank_reads_the_saved_tokenizer_before_rank_0_replaces_it(tmp_path: Path) -> None:
+    """On --resume each rank reads the run's tokenizer folder, which rank 0 then writes again: a rank
+    slow to read it must not find it half-replaced (it did once, as 'not a valid tokenizer.json')."""
+    config = write_run(tmp_path, "slow", steps=2)
+    assert kiln(str(config), cwd=tmp_path).returncode == 0
+    env = with_rank_patch(tmp_path, f"""
+import time
+import kiln.hf
+from kiln.hf import _train
+
+marks = {str(tmp_path)!r}
+if RANK == 1:
+    read = kiln.hf.load_tokenizer
+
+    def slow_read(*args, **kwargs):
+        time.sleep(1.5)
+        tokenizer = read(*args, **kwargs)
+        open(os.path.join(marks, "read"), "w").write(repr(time.monotonic()))
+        return tokenizer
+
+    kiln.hf.load_tokenizer = slow_read
+if RANK == 0:
+    replace = _train._replace_dir
+
+    def timed_replace(final, fill):
+        if final.name == "tokenizer":
+            open(os.path.join(marks, "replaced"), "w").write(repr(time.monotonic()))
+        return replace(final, fill)
+
+    _train._replace_dir = timed_replace
+""")
+    write_run(tmp_path, "slow", steps=3)
+    done = subprocess.run([sys.executable, "-m", "kiln.core", "train", str(config), "--resume", "--nproc",
+                           "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "(step 2)" in done.stdout, done.stderr
+    assert float((tmp_path / "read").read_text()) < float((tmp_path / "replaced").read_text())

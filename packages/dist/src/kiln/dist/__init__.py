@@ -17,7 +17,7 @@ from kiln.dist._communicators import (
     mpi_available,
     nccl_available,
 )
-from kiln.dist._launch import launch, launched, launcher
+from kiln.dist._launch import launch, launched, launcher, stop_job
 from kiln.dist._parallel import DataParallel
 from kiln.dist._plan import PlanRank, rank_programs
 from kiln.dist._state import gather_state, scatter_state, unshard
@@ -44,6 +44,7 @@ __all__ = [
     "rank_programs",
     "scatter_state",
     "shard",
+    "stop_job",
     "tensor_parallel",
     "unshard",
 ]

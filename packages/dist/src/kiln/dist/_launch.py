@@ -3,6 +3,7 @@ beside the Python interpreter)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -12,11 +13,11 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kiln.core import KilnError
 
-__all__ = ["launch", "launched", "launcher"]
+__all__ = ["launch", "launched", "launcher", "stop_job"]
 
 #: set in every rank by the launchers of MPICH (Hydra), PMIx-based ones (Open MPI, Slurm's srun
 #: --mpi=pmix) and Open MPI
@@ -28,6 +29,8 @@ RANK_DIR = "KILN_RANK_DIR"
 #: seconds a collective waits for the other ranks before the job is stopped (default 300: a rank may
 #: be saving a large checkpoint while the others wait)
 TIMEOUT = "KILN_DIST_TIMEOUT"
+#: what MPICH prints for a rank that called MPI_Abort
+_MPI_ABORT = re.compile(r"Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort")
 _noted: dict[str, int] = {"rank": -1, "collectives": 0}
 
 
@@ -62,12 +65,28 @@ def note_collective() -> int:
 
 
 def note_stop(message: str) -> None:
-    """Say why this rank stops the job: on stderr, and in the launch's rank folder (the launcher may
-    drop the output of a rank that aborts; :func:`launch` prints the note after the job)."""
-    print(message, file=sys.stderr, flush=True)
+    """Say why this rank stops the job: in the rank folder of a job :func:`launch` started (the launcher
+    may drop the output of a rank that aborts; :func:`launch` prints each note once, after the job),
+    else on stderr."""
     folder = os.environ.get(RANK_DIR)
     if folder and _noted["rank"] >= 0:
-        Path(folder, f"rank{_noted['rank']}.stopped").write_text(message)
+        with contextlib.suppress(OSError):  # the launcher is gone: say it here
+            Path(folder, f"rank{_noted['rank']}.stopped").write_text(message)
+            return
+    print(message, file=sys.stderr, flush=True)
+
+
+def stop_job(message: str, exit_code: int = 1) -> NoReturn:
+    """In a rank of a job of several ranks that cannot go on: say why (:func:`note_stop`) and stop every
+    rank now (``MPI_Abort``), with ``exit_code`` as the launcher's exit status. Returning with an error
+    instead would leave the other ranks waiting in their next collective, and this one in MPICH's
+    ``MPI_Finalize``, until the collective timeout."""
+    from mpi4py import MPI
+
+    note_rank(int(MPI.COMM_WORLD.Get_rank()))
+    note_stop(message)
+    MPI.COMM_WORLD.Abort(exit_code)
+    raise SystemExit(exit_code)  # not reached: MPI_Abort ends the process
 
 
 def ranks_behind(number: int) -> list[int]:
@@ -115,6 +134,8 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
 
         def forward(source: Any, sink: Any) -> None:
             for line in source:  # passed on as it comes
+                if _MPI_ABORT.match(line):  # MPICH's line for a rank's stop_job: its note says why
+                    continue
                 sink.write(line)
                 sink.flush()
                 seen.add(line.rstrip("\n"))
@@ -128,9 +149,10 @@ def launch(nproc: int, argv: Sequence[str], *, env: Mapping[str, str] | None = N
         for t in threads:
             t.join()
         for note in sorted(Path(ranks).glob("rank*.stopped")):  # a rank that stopped the job said why
-            message = note.read_text()
-            if message not in seen:
-                print(message, file=sys.stderr, flush=True)
+            lines = note.read_text().rstrip("\n").splitlines()
+            if not seen.issuperset(lines):  # once: the ranks may all stop on the same error
+                seen.update(lines)
+                print("\n".join(lines), file=sys.stderr, flush=True)
         for pid in dict.fromkeys(dead):
             noted = Path(ranks, pid)
             rank = noted.read_text() if noted.exists() else "?"

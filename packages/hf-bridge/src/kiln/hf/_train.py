@@ -23,6 +23,7 @@ import textwrap
 import threading
 import time
 import tomllib
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -989,11 +990,11 @@ def _replace_dir(final: Path, fill: Callable[[Path], Any]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     fill(tmp)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.rename(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.rename(tmp, final)
+    os.rename(tmp, final)  # ``final`` is missing only between the two renames
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -1143,6 +1144,8 @@ class _Run:
         else:
             tok, eos = build_tokenizer(self.c, self.say)
         self.template = chat_template(self.c, eos)
+        if self.world is not None:  # every rank has read the saved tokenizer before rank 0 replaces it
+            self.world.barrier()
         if not self.rank:
             _replace_dir(saved, lambda d: self.save_tokenizer(tok, d, eos))
         return tok, eos
@@ -1263,6 +1266,8 @@ class _Run:
             try:
                 weights, moments, state = _checkpoint.load(path)
             except KilnError as e:
+                if self.rank:  # rank 0 sets it aside
+                    continue
                 self.say(f"skipping checkpoint {path.name} (renamed {_checkpoint.set_aside(path).name}): {e}")
                 continue
             old, new = state.get("config", {}), self.c.fingerprint()
@@ -1545,7 +1550,27 @@ def run(args: Any) -> int:
     except Interrupted as e:
         print(f"\n{e.message}", file=sys.stderr)
         return e.exit_code
-    except DataError as e:
-        e.exit_code = EXIT_DATA  # type: ignore[attr-defined]
+    except Exception as e:
+        if isinstance(e, DataError):
+            e.exit_code = EXIT_DATA  # type: ignore[attr-defined]
+        _stop_the_other_ranks(e)
         raise
     return 128 + summary["signal"] if summary["signal"] else 0
+
+
+def _stop_the_other_ranks(error: Exception) -> None:
+    """In a rank of a job of several: stop the job with ``error`` now. The other ranks would wait for
+    this one in their next collective until the timeout (``KILN_DIST_TIMEOUT``, 5 minutes)."""
+    try:
+        from kiln.dist import launched, stop_job
+
+        if not launched():
+            return
+        from mpi4py import MPI
+    except ImportError:
+        return
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return
+    if isinstance(error, KilnError):
+        stop_job(f"kiln: error: {error}", int(getattr(error, "exit_code", 2)))
+    stop_job("".join(traceback.format_exception(error)).rstrip("\n"), 1)
