@@ -69,3 +69,13 @@ def test_a_hung_rank_stops_the_run_past_the_timeout_and_is_named(tmp_path: Path,
     err = capfd.readouterr().err
     assert "an all-reduce waited" in err and "rank(s) 1 did not reach it" in err, err
     assert_gone([tmp_path / f"rank{r}.pid" for r in range(3)])  # the hung rank (asleep) included
+
+
+def test_a_rank_hung_before_its_first_collective_is_named(tmp_path: Path,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    """It has noted no collective: it has started none, so it is behind the others' first."""
+    status = launch(3, [str(HERE / "_stall.py"), str(tmp_path), "before"],
+                    env={"KILN_NUM_THREADS": "1", "KILN_DIST_TIMEOUT": "2"})
+    err = capfd.readouterr().err
+    assert status != 0 and "rank(s) 2 did not reach it" in err, err
+    assert_gone([tmp_path / f"rank{r}.pid" for r in range(3)])

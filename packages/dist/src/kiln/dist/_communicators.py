@@ -238,12 +238,15 @@ class MpiCommunicator:
         limit, start, pause = timeout(), time.monotonic(), 0.0
         while not request.Test():
             waited = time.monotonic() - start
-            if waited > limit:
-                behind = ranks_behind(number)
+            if waited > limit:  # the ranks' notes are by their rank in the job (this may be a group)
+                from mpi4py import MPI
+
+                behind = ranks_behind(number, MPI.COMM_WORLD.Get_size())
                 who = (f"rank(s) {', '.join(map(str, behind))} did not reach it (hung, or too slow)"
                        if behind else "the rank(s) that did not reach it are unknown (start the job with "
                                       "kiln.dist.launch to have them named)")
-                note_stop(f"kiln: rank {self.rank}: {what} waited {waited:.0f} s for the other ranks "
+                rank = MPI.COMM_WORLD.Get_rank()
+                note_stop(f"kiln: rank {rank}: {what} waited {waited:.0f} s for the other ranks "
                           f"(KILN_DIST_TIMEOUT = {limit:g}); {who}; stopping the job")
                 self.comm.Abort(1)
             time.sleep(pause)

@@ -89,19 +89,21 @@ def stop_job(message: str, exit_code: int = 1) -> NoReturn:
     raise SystemExit(exit_code)  # not reached: MPI_Abort ends the process
 
 
-def ranks_behind(number: int) -> list[int]:
-    """The ranks whose notes say they have not started collective ``number`` yet."""
+def ranks_behind(number: int, world_size: int) -> list[int]:
+    """The ranks whose notes say they have not started collective ``number`` yet (a rank without a note
+    has started none); none known outside a job :func:`launch` started."""
     folder = os.environ.get(RANK_DIR)
     if not folder:
         return []
     behind = []
-    for note in sorted(Path(folder).glob("rank*.collectives")):
+    for rank in range(world_size):
         try:
-            if int(note.read_text() or 0) < number:
-                behind.append(int(note.stem.removeprefix("rank")))
-        except ValueError:
-            continue
-    return sorted(behind)
+            started = int(Path(folder, f"rank{rank}.collectives").read_text() or 0)
+        except (OSError, ValueError):
+            started = 0
+        if started < number:
+            behind.append(rank)
+    return behind
 
 
 def launcher() -> str:
