@@ -89,10 +89,14 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff over all code; mypy --strict over kiln.core; import-linter's layer contract (pyproject.toml)."""
-    session.install("ruff", "mypy", "import-linter", "-e", "packages/core")
+    """ruff over all code; mypy --strict over kiln.core and kiln.cpu; import-linter's layers (pyproject)."""
+    # bf16: kiln.core's bf16 paths import ml_dtypes; types-cffi: kiln.cpu builds its kernels through
+    # cffi, which ships no types of its own
+    session.install("ruff", "mypy", "import-linter", "types-cffi", "-e", "packages/core[bf16]",
+                    "-e", "packages/kernels-cpu")
     session.run("ruff", "check", *session.posargs)
     session.run("mypy", "--strict", "-p", "kiln.core")
+    session.run("mypy", "--strict", "-p", "kiln.cpu")
     session.run("lint-imports")
 
 

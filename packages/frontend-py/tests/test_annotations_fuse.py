@@ -7,10 +7,9 @@ import pytest
 
 from kiln.core import Model, compile
 from kiln.core.ir import from_json
-from kiln.dsl import Array, B, DSLError, Param, T, Tensor, block, build_bundle, forward, graph, model
+from kiln.dsl import B, DSLError, Param, T, Tensor, block, build_bundle, forward, graph
 from kiln.dsl.annotations import fuse, hook, nofuse
-
-V, C = 16, 8
+from kiln.dsl.testing import V, stack_lm
 
 
 def lm(name: str, y_ann: tuple = (), m_ann: tuple = (), *, broadcast: bool = False,
@@ -48,28 +47,7 @@ def lm(name: str, y_ann: tuple = (), m_ann: tuple = (), *, broadcast: bool = Fal
     cls = block(Layer)
     for ann in reversed(cls_ann):
         cls = ann(cls)
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 2):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Layer"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "embedding", targets)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
+    return stack_lm(name, f"{name}Layer", n_layers=2)
 
 
 def types(bundle, block_name: str) -> list[str]:

@@ -7,10 +7,10 @@ import pytest
 
 from kiln.core import KilnError, Model, compile
 from kiln.core.ir import from_json
-from kiln.dsl import Array, B, DSLError, Param, T, Tensor, block, build_bundle, forward, graph, model
+from kiln.dsl import B, DSLError, Param, T, Tensor, block, build_bundle, forward, graph
 from kiln.dsl.annotations import lifetime, memory
+from kiln.dsl.testing import V, stack_lm
 
-V, C = 16, 8
 BINDS = {"B": 2, "T": 5}
 
 
@@ -38,28 +38,7 @@ def lm(name: str, *b_ann: object, a_ann: tuple = ()) -> type:
 
     Mlp.__name__ = Mlp.__qualname__ = f"{name}Block"
     block(Mlp)
-
-    class Lm:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 2):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", f"{name}Block"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                x0 = g.embedding(token_ids, "embedding")
-                xN = g.call("StackedBlocks", x0, num_outputs=1, blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "embedding", targets)
-
-    Lm.__name__ = Lm.__qualname__ = name
-    return model(Lm)
+    return stack_lm(name, f"{name}Block", n_layers=2)
 
 
 def slot_of(prog, key: str):

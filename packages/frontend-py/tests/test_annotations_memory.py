@@ -7,7 +7,6 @@ import pytest
 
 from kiln.core import Model, compile
 from kiln.dsl import (
-    Array,
     B,
     DSLError,
     Param,
@@ -18,10 +17,9 @@ from kiln.dsl import (
     build_bundle,
     forward,
     graph,
-    model,
 )
 from kiln.dsl.annotations import gradient, memory, probe
-from kiln.dsl.testing import C, V
+from kiln.dsl.testing import V, stack_lm
 from kiln.dsl.testing import lm as annotated_lm
 
 
@@ -113,25 +111,5 @@ def test_an_annotation_inside_a_backward_method_is_refused() -> None:
 
     block(ManualBackward)
 
-    @model
-    class ManualLM:
-        def __init__(self, vocab_size: int = V, d_model: int = C, n_layers: int = 1):
-            self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
-
-        embedding = Param(Tensor["vocab_size", "d_model", "fp32"])
-        blocks = Param(Array["n_layers", "ManualBackward"])
-
-        @forward
-        def forward(
-            self,
-            token_ids: Tensor["B", "T", "int32"],
-            position_ids: Tensor["T", "int32"],
-            targets: Tensor["B", "T", "int32"],
-        ) -> Tensor["B * T", "fp32"]:
-            with graph() as g:
-                xN = g.call("StackedBlocks", g.embedding(token_ids, "embedding"), num_outputs=1,
-                            blocks="blocks", n_layers=self.n_layers)
-                return g.fused_lm_head_loss(g.view(xN, shape=[B * T, "d_model"]), "embedding", targets)
-
     with pytest.raises(DSLError, match=r"E008.*@probe on 'd_h': annotations inside a @backward method"):
-        build_bundle(ManualLM, {})
+        build_bundle(stack_lm("ManualLM", "ManualBackward"), {})

@@ -23,12 +23,6 @@ from kiln.dsl.annotations import dtype, precision  # noqa: E402
 V, C = testing.V, testing.C
 
 
-def lm(name: str, *h_ann: object) -> type:
-    """``x + silu(x @ w1^T) @ w2^T`` in a one-layer stack, then the LM head's loss (an untied head);
-    ``h_ann`` annotate ``h = x @ w1^T``."""
-    return testing.lm(name, h_ann=h_ann, head=True)
-
-
 CASES = {  # id: (recipe, annotations of h, h's compute under the override, whether h holds bf16)
     "fp32-op-under-bf16": ("bf16", (precision(policy="fp32"),), "fp32", False),
     "bf16-compute-fp32-output-under-bf16": ("bf16", (dtype("fp32"),), "bf16", False),
@@ -69,8 +63,9 @@ EMULATOR, GPU = 2e-6, 1e-3
 
 def _check(case: str, backend_models, tol: float, exact: bool) -> None:
     recipe, anns, compute, h_low = CASES[case]
-    annotated = build_bundle(lm(f"Ann{case.replace('-', '')}", *anns), {})
-    plain = build_bundle(lm(f"Plain{case.replace('-', '')}"), {})
+    # testing.lm: x + silu(h) @ w2^T, h = x @ w1^T annotated, in one layer; an LM head of its own
+    annotated = build_bundle(testing.lm(f"Ann{case.replace('-', '')}", h_ann=anns, head=True), {})
+    plain = build_bundle(testing.lm(f"Plain{case.replace('-', '')}", head=True), {})
     (ref, got), (ref_plain, got_plain) = backend_models(annotated, recipe), backend_models(plain, recipe)
     w = weights(ref)
 
@@ -140,7 +135,7 @@ def test_the_override_reaches_the_cuda_kernels(cache) -> None:
             Model.from_ir(bundle, seed=0, backend="cuda").train_step(batch())
         return set(launched)
 
-    bundle = build_bundle(lm("Launched", precision(compute="bf16")), {})
+    bundle = build_bundle(testing.lm("Launched", h_ann=(precision(compute="bf16"),), head=True), {})
     with PluginSession(autoload=False).activate() as session:
         session.register(EmulatedCuda(), "cuda-emulated")
         assert compile(bundle, bindings={"B": 2, "T": 8}, backend="cuda").computes["blocks.0.h"] == "bf16"
@@ -150,7 +145,7 @@ def test_the_override_reaches_the_cuda_kernels(cache) -> None:
 
     launched_ = kernels(bundle)
     assert bf16_matmuls(launched_) and "matmul_f32" in launched_
-    assert not bf16_matmuls(kernels(build_bundle(lm("NotLaunched"), {})))
+    assert not bf16_matmuls(kernels(build_bundle(testing.lm("NotLaunched", head=True), {})))
 
 
 ok, why = _device.device_status()

@@ -5,8 +5,8 @@ code does not take: anything but float32, arrays that are not C-contiguous, empt
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +15,9 @@ import numpy as np
 from kiln.core.backends.numpy import chunks, matmul_into, parallel, threads
 from kiln.core.backends.numpy import scratch as kiln_scratch
 from kiln.core.ops import FUSED_LOGITS_TILE, check_rotary_dim, loss_targets, rope_tables
+
+if TYPE_CHECKING:
+    from _cffi_backend import FFI
 
 Arrays = Sequence[np.ndarray | None]
 F32 = np.dtype(np.float32)
@@ -27,28 +30,29 @@ def _fits(*arrays: np.ndarray | None) -> bool:
     return all(a is None or (a.dtype == F32 and a.flags.c_contiguous and a.size > 0) for a in arrays)
 
 
-def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Callable[..., Any]]:
-    """The native kernel of each op, by op name; ``reference(op)`` is the kernel it falls back to."""
+def kernels(lib: Any, ffi: FFI, ref: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """The native kernel of each op, by op name; ``ref[op]`` is the kernel it falls back to. ``lib`` is
+    the compiled module's ``lib``: its functions (``CDEF``) exist only once cffi has built it."""
     null = ffi.NULL
 
-    def p(a: np.ndarray | None) -> Any:
+    def p(a: np.ndarray | None) -> FFI.CData:
         return null if a is None else ffi.cast("float *", a.ctypes.data)
 
     def scratch(o: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
         return np.empty(shape, F32) if o is None else o
 
-    ref = {op: reference(op) for op in OPS}
-
     def rmsnorm(x: np.ndarray, weight: np.ndarray, *, out: Arrays, eps: float) -> None:
         if not _fits(x, weight, *out):
-            return ref["rmsnorm"](x, weight, out=out, eps=eps)
+            ref["rmsnorm"](x, weight, out=out, eps=eps)
+            return
         y, rstd = scratch(out[0], x.shape), scratch(out[1], x.shape[:-1])
         c = x.shape[-1]
         lib.kiln_rmsnorm_fwd(null, p(x), p(weight), null, null, p(y), p(rstd), x.size // c, c, eps, threads())
 
     def fused(residual: np.ndarray, x: np.ndarray, weight: np.ndarray, *, out: Arrays, eps: float) -> None:
         if not _fits(residual, x, weight, *out):
-            return ref["fused_residual_rmsnorm"](residual, x, weight, out=out, eps=eps)
+            ref["fused_residual_rmsnorm"](residual, x, weight, out=out, eps=eps)
+            return
         res, y, rstd = scratch(out[0], x.shape), scratch(out[1], x.shape), scratch(out[2], x.shape[:-1])
         c = x.shape[-1]
         lib.kiln_rmsnorm_fwd(p(residual), p(x), p(weight), null, p(res), p(y), p(rstd), x.size // c, c, eps,
@@ -56,7 +60,8 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
 
     def apply_saved(x: np.ndarray, rstd: np.ndarray, weight: np.ndarray, *, out: Arrays) -> None:
         if not _fits(x, rstd, weight, *out):
-            return ref["rmsnorm_apply_saved"](x, rstd, weight, out=out)
+            ref["rmsnorm_apply_saved"](x, rstd, weight, out=out)
+            return
         c = x.shape[-1]
         lib.kiln_rmsnorm_fwd(null, p(x), p(weight), p(rstd), null, p(out[0]), null, x.size // c, c, 0.0,
                              threads())
@@ -64,7 +69,8 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
     def fused_apply_saved(residual: np.ndarray, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray, *,
                           out: Arrays) -> None:
         if not _fits(residual, x, rstd, weight, *out):
-            return ref["fused_residual_rmsnorm_apply_saved"](residual, x, rstd, weight, out=out)
+            ref["fused_residual_rmsnorm_apply_saved"](residual, x, rstd, weight, out=out)
+            return
         res, y = scratch(out[0], x.shape), scratch(out[1], x.shape)
         c = x.shape[-1]
         lib.kiln_rmsnorm_fwd(p(residual), p(x), p(weight), p(rstd), p(res), p(y), null, x.size // c, c, 0.0,
@@ -73,7 +79,8 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
     def rmsnorm_bwd(d_y: np.ndarray | None, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray,
                     d_rstd: np.ndarray | None = None, *, out: Arrays) -> None:
         if not _fits(d_y, x, rstd, weight, d_rstd, *out):
-            return ref["rmsnorm_backward"](d_y, x, rstd, weight, d_rstd, out=out)
+            ref["rmsnorm_backward"](d_y, x, rstd, weight, d_rstd, out=out)
+            return
         d_x = scratch(out[0], x.shape)
         c = x.shape[-1]
         lib.kiln_rmsnorm_bwd(p(d_y), p(x), p(rstd), p(weight), p(d_rstd), null, p(d_x), null, p(out[1]),
@@ -84,8 +91,8 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                   out: Arrays) -> None:
         x = residual_out
         if not _fits(d_y, d_residual_out, x, rstd, weight, d_rstd, *out):
-            return ref["fused_residual_rmsnorm_backward"](d_y, d_residual_out, x, rstd, weight, d_rstd,
-                                                          out=out)
+            ref["fused_residual_rmsnorm_backward"](d_y, d_residual_out, x, rstd, weight, d_rstd, out=out)
+            return
         d_res, d_x, d_w = out
         first = d_res if d_res is not None else scratch(d_x, x.shape)
         second = d_x if d_res is not None else None
@@ -95,36 +102,40 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
 
     def swiglu(x: np.ndarray, *, out: Arrays) -> None:
         if not _fits(x, *out):
-            return ref["swiglu"](x, out=out)
+            ref["swiglu"](x, out=out)
+            return
         m = x.shape[-1] // 2
         lib.kiln_swiglu_fwd(p(x), p(out[0]), x.size // (2 * m), m, threads())
 
     def swiglu_bwd(d: np.ndarray, x: np.ndarray, *, out: Arrays) -> None:
         if not _fits(d, x, *out):
-            return ref["swiglu_backward"](d, x, out=out)
+            ref["swiglu_backward"](d, x, out=out)
+            return
         m = x.shape[-1] // 2
         lib.kiln_swiglu_bwd(p(d), p(x), p(out[0]), x.size // (2 * m), m, threads())
 
     def silu(x: np.ndarray, *, out: Arrays) -> None:
         if not (_fits(x, *out) and out[0] is not None and out[0].size == x.size):
-            return ref["silu"](x, out=out)
+            ref["silu"](x, out=out)
+            return
         lib.kiln_silu_fwd(p(x), p(out[0]), x.size, threads())
-        return None
 
     def silu_bwd(d: np.ndarray, x: np.ndarray, *, out: Arrays) -> None:
         if not (_fits(d, x, *out) and out[0] is not None and d.size == x.size == out[0].size):
-            return ref["silu_backward"](d, x, out=out)
+            ref["silu_backward"](d, x, out=out)
+            return
         lib.kiln_silu_bwd(p(d), p(x), p(out[0]), x.size, threads())
-        return None
 
     def silu_mul(gate: np.ndarray, up: np.ndarray, *, out: Arrays) -> None:
         if not _fits(gate, up, *out):
-            return ref["silu_mul"](gate, up, out=out)
+            ref["silu_mul"](gate, up, out=out)
+            return
         lib.kiln_silu_mul_fwd(p(gate), p(up), p(out[0]), gate.size, threads())
 
     def silu_mul_bwd(d: np.ndarray, gate: np.ndarray, up: np.ndarray, *, out: Arrays) -> None:
         if not _fits(d, gate, up, *out):
-            return ref["silu_mul_backward"](d, gate, up, out=out)
+            ref["silu_mul_backward"](d, gate, up, out=out)
+            return
         d_gate, d_up = scratch(out[0], gate.shape), scratch(out[1], gate.shape)
         lib.kiln_silu_mul_bwd(p(d), p(gate), p(up), p(d_gate), p(d_up), gate.size, threads())
 
@@ -132,14 +143,14 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
               step: int, lr: float, scale: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               lr_scale: float) -> None:
         if not _fits(param, grad, m, v):
-            return ref["adamw_update"](param, grad, m, v, work, step=step, lr=lr, scale=scale, beta1=beta1,
-                                       beta2=beta2, eps=eps, weight_decay=weight_decay, lr_scale=lr_scale)
+            ref["adamw_update"](param, grad, m, v, work, step=step, lr=lr, scale=scale, beta1=beta1,
+                                beta2=beta2, eps=eps, weight_decay=weight_decay, lr_scale=lr_scale)
+            return
         lr = lr * lr_scale  # the reference's constants, each rounded to float32 where it meets an array
         bc1, bc2 = 1 - beta1**step, 1 - beta2**step
         lib.kiln_adamw(p(param), p(grad), p(m), p(v), param.size, scale * (1 - beta1), beta1,
                        (1 - beta2) * scale * scale, beta2, 1 / math.sqrt(bc2), eps, lr / bc1,
                        1 - lr * weight_decay, 1 if weight_decay else 0, threads())
-        return None
 
     def rope(qkv: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, hq: int, hkv: int, d: int,
              theta: float, rotary_dim: int | None, op: str) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -159,9 +170,10 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         tables = rope(qkv, freqs, position_ids, Hq, Hkv, D, theta, rotary_dim, "qkv_qk_norm_rope") \
             if _fits(qkv, q_norm_weight, k_norm_weight, *out) else None
         if tables is None:
-            return ref["qkv_qk_norm_rope"](qkv, q_norm_weight, k_norm_weight, freqs, position_ids, out=out,
-                                           Hq=Hq, Hkv=Hkv, D=D, eps=eps, theta=theta, rotary_dim=rotary_dim,
-                                           interleaved=interleaved)
+            ref["qkv_qk_norm_rope"](qkv, q_norm_weight, k_norm_weight, freqs, position_ids, out=out,
+                                    Hq=Hq, Hkv=Hkv, D=D, eps=eps, theta=theta, rotary_dim=rotary_dim,
+                                    interleaved=interleaved)
+            return
         cos, sin, per_batch = tables
         b, t = qkv.shape[:2]
         o = scratch(out[0], qkv.shape)
@@ -169,7 +181,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         lib.kiln_qkv_norm_rope_fwd(p(qkv), p(q_norm_weight), p(k_norm_weight), p(cos), p(sin), per_batch,
                                    p(o), p(q_rstd), p(k_rstd), b, t, Hq, Hkv, D, cos.shape[-1],
                                    bool(interleaved), eps, threads())
-        return None
 
     def qkv_rope_bwd(d_qkv_out: np.ndarray | None, qkv: np.ndarray, q_norm_weight: np.ndarray | None,
                      k_norm_weight: np.ndarray | None, freqs: np.ndarray | None, position_ids: np.ndarray,
@@ -180,10 +191,11 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         tables = rope(qkv, freqs, position_ids, Hq, Hkv, D, theta, rotary_dim, "qkv_qk_norm_rope_backward") \
             if _fits(*arrays) else None
         if tables is None:
-            return ref["qkv_qk_norm_rope_backward"](d_qkv_out, qkv, q_norm_weight, k_norm_weight, freqs,
-                                                    position_ids, q_rstd, k_rstd, d_q_rstd, d_k_rstd, out=out,
-                                                    Hq=Hq, Hkv=Hkv, D=D, eps=eps, theta=theta,
-                                                    rotary_dim=rotary_dim, interleaved=interleaved)
+            ref["qkv_qk_norm_rope_backward"](d_qkv_out, qkv, q_norm_weight, k_norm_weight, freqs,
+                                             position_ids, q_rstd, k_rstd, d_q_rstd, d_k_rstd, out=out,
+                                             Hq=Hq, Hkv=Hkv, D=D, eps=eps, theta=theta,
+                                             rotary_dim=rotary_dim, interleaved=interleaved)
+            return
         cos, sin, per_batch = tables
         b, t = qkv.shape[:2]
         d_qkv, d_qw, d_kw = scratch(out[0], qkv.shape), scratch(out[1], (D,)), scratch(out[2], (D,))
@@ -191,15 +203,15 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                                    p(sin), per_batch, p(q_rstd), p(k_rstd), p(d_q_rstd), p(d_k_rstd),
                                    p(d_qkv), p(d_qw), p(d_kw), b, t, Hq, Hkv, D, cos.shape[-1],
                                    bool(interleaved), threads())
-        return None
 
     def lm_head(d_loss: np.ndarray, x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *,
                 loss: np.ndarray, lse: np.ndarray, d_x: np.ndarray | None, d_weight: np.ndarray | None,
                 ignore_index: int) -> None:
         """The reference's tiles and products, with each tile's softmax, loss and gradient scale in C."""
         if not (_fits(d_loss, x, weight, loss, lse, d_x, d_weight) and x.ndim == 2 and weight.ndim == 2):
-            return ref["fused_lm_head_loss_and_grad"](d_loss, x, weight, targets, loss=loss, lse=lse, d_x=d_x,
-                                                      d_weight=d_weight, ignore_index=ignore_index)
+            ref["fused_lm_head_loss_and_grad"](d_loss, x, weight, targets, loss=loss, lse=lse, d_x=d_x,
+                                               d_weight=d_weight, ignore_index=ignore_index)
+            return
         n, v = x.shape[0], weight.shape[0]
         t = np.ascontiguousarray(loss_targets(targets, v, ignore_index, "fused_lm_head_loss"), np.int64)
         dl = np.where(t >= 0, d_loss, 0).astype(F32)
@@ -228,7 +240,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                         d_weight[q] += np.matmul(z[:, q].T, xs, out=part)
 
                     parallel(add_rows, vocab_pieces)
-        return None
 
     def lm_head_tiles(n: int, chunk: int) -> list[slice]:
         """Tiles of rows for the forward: about 4 (so that the cores find work in an evaluation's few
@@ -237,7 +248,7 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         rows = max(1, min(n, rows, LOGITS_TILE // max(chunk, 1)))
         return [slice(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)]
 
-    def i64(a: np.ndarray) -> Any:
+    def i64(a: np.ndarray) -> FFI.CData:
         return ffi.cast("int64_t *", a.ctypes.data)
 
     def lm_head_loss(x: np.ndarray, weight: np.ndarray, targets: np.ndarray, *, out: Arrays,
@@ -247,8 +258,9 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         if not (softcap is None and _fits(x, weight, *out) and x.ndim == 2 and weight.ndim == 2
                 and x.shape[1] == weight.shape[1] and chunk_size >= 1 and np.shape(targets) == x.shape[:1]
                 and all(o is None or o.shape == x.shape[:1] for o in out)):
-            return ref["fused_lm_head_loss"](x, weight, targets, out=out, ignore_index=ignore_index,
-                                             chunk_size=chunk_size, softcap=softcap)
+            ref["fused_lm_head_loss"](x, weight, targets, out=out, ignore_index=ignore_index,
+                                      chunk_size=chunk_size, softcap=softcap)
+            return
         n, v = x.shape[0], weight.shape[0]
         loss, lse = scratch(out[0], (n,)), scratch(out[1], (n,))
         t = np.ascontiguousarray(loss_targets(targets, v, ignore_index, "fused_lm_head_loss"), np.int64)
@@ -269,7 +281,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         lse[...] = m + np.log(s)
         np.subtract(lse, picked, out=loss)
         loss[t < 0] = 0
-        return None
 
     def lm_head_loss_bwd(d_loss: np.ndarray | None, x: np.ndarray, weight: np.ndarray, targets: np.ndarray,
                          lse: np.ndarray, d_lse: np.ndarray | None, *, out: Arrays, ignore_index: int,
@@ -281,9 +292,10 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                 and weight.ndim == 2 and x.shape[1] == weight.shape[1] and chunk_size >= 1
                 and all(a is None or a.shape == x.shape[:1] for a in (d_loss, targets, lse, d_lse))
                 and (d_x is None or d_x.shape == x.shape) and (d_w is None or d_w.shape == weight.shape)):
-            return ref["fused_lm_head_loss_backward"](d_loss, x, weight, targets, lse, d_lse, out=out,
-                                                      ignore_index=ignore_index, chunk_size=chunk_size,
-                                                      softcap=softcap)
+            ref["fused_lm_head_loss_backward"](d_loss, x, weight, targets, lse, d_lse, out=out,
+                                               ignore_index=ignore_index, chunk_size=chunk_size,
+                                               softcap=softcap)
+            return
         n, (v, c) = x.shape[0], weight.shape
         t = loss_targets(targets, v, ignore_index, "fused_lm_head_loss_backward").astype(np.int64)
         dl = np.zeros(n, F32) if d_loss is None else np.where(t >= 0, d_loss, 0).astype(F32)
@@ -318,7 +330,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                 np.copyto(d_x[r], parts[: rows * c].reshape(rows, c))
                 for j in range(1, len(starts)):
                     d_x[r] += parts[j * rows * c:(j + 1) * rows * c].reshape(rows, c)
-        return None
 
     def rope_op(x: np.ndarray, freqs: np.ndarray | None, position_ids: np.ndarray, *, out: Arrays,
                 head_dim: int, rotary_dim: int | None, theta: float, inverse: bool = False,
@@ -328,20 +339,21 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         y = out[0]
         if not (_fits(x, y) and x.ndim == 3 and head_dim > 0 and x.shape[2] % head_dim == 0
                 and (y is None or y.shape == x.shape)):
-            return ref["rope"](x, freqs, position_ids, out=out, head_dim=head_dim, rotary_dim=rotary_dim,
-                               theta=theta, inverse=inverse, interleaved=interleaved)
+            ref["rope"](x, freqs, position_ids, out=out, head_dim=head_dim, rotary_dim=rotary_dim,
+                        theta=theta, inverse=inverse, interleaved=interleaved)
+            return
         rd = check_rotary_dim(rotary_dim, head_dim, "rope")
         cos, sin = rope_tables(freqs, position_ids, rd, theta, x.dtype, "rope")
         per_batch = np.ndim(position_ids) != 1
         if cos.shape[:-1] != (x.shape[:2] if per_batch else x.shape[1:2]):  # the reference's error
-            return ref["rope"](x, freqs, position_ids, out=out, head_dim=head_dim, rotary_dim=rotary_dim,
-                               theta=theta, inverse=inverse, interleaved=interleaved)
+            ref["rope"](x, freqs, position_ids, out=out, head_dim=head_dim, rotary_dim=rotary_dim,
+                        theta=theta, inverse=inverse, interleaved=interleaved)
+            return
         cos, sin = np.ascontiguousarray(cos, F32), np.ascontiguousarray(sin, F32)
         y = scratch(y, x.shape)
         b, t, f = x.shape
         lib.kiln_rope(p(x), p(cos), p(sin), int(per_batch), p(y), b, t, f // head_dim, head_dim,
                       cos.shape[-1], bool(interleaved), -1.0 if inverse else 1.0, threads())
-        return None
 
     def qk_norm(q: np.ndarray, k: np.ndarray, q_weight: np.ndarray, k_weight: np.ndarray, *, eps: float
                 ) -> tuple[np.ndarray, ...]:
@@ -418,14 +430,14 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         if not (_fits(d_out, dw) and ids.size and np.issubdtype(ids.dtype, np.integer)
                 and dw is not None and dw.shape == (num_embeddings, c) and ids.size * c == d_out.size
                 and int(ids.min()) >= 0 and int(ids.max()) < num_embeddings):  # else the reference's error
-            return ref["embedding_backward"](d_out, ids, out=out, num_embeddings=num_embeddings,
-                                             padding_idx=padding_idx)
+            ref["embedding_backward"](d_out, ids, out=out, num_embeddings=num_embeddings,
+                                      padding_idx=padding_idx)
+            return
         flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
         lib.kiln_embedding_bwd(p(d_out), ffi.cast("int64_t *", flat.ctypes.data), p(dw), flat.size,
                                num_embeddings, c, threads())
         if padding_idx is not None:  # as the reference (torch.nn.Embedding): that row gets no gradient
             dw[padding_idx] = 0
-        return None
 
     def cross_entropy(logits: np.ndarray, targets: np.ndarray, *, ignore_index: int
                       ) -> tuple[np.ndarray, ...]:
@@ -454,7 +466,7 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                                    p(d_logits), n, v, threads())
         return d_logits
 
-    def segments(seg: np.ndarray | None) -> tuple[Any, np.ndarray | None]:
+    def segments(seg: np.ndarray | None) -> tuple[FFI.CData, np.ndarray | None]:
         """The C side's int32 segment ids, or NULL when every sequence is one segment (as the reference
         drops the mask then)."""
         if seg is None or not seg.size or bool((seg == seg[:, :1]).all()):
@@ -474,9 +486,10 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
               softcap: float | None = None, alibi: bool = False) -> None:
         if not (_fits(qkv, *out) and native_attention(qkv, segment_ids, Hq, Hkv, D, window_size, softcap,
                                                       alibi)):
-            return ref["flash_attention"](qkv, segment_ids, out=out, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
-                                          softmax_scale=softmax_scale, window_size=window_size,
-                                          softcap=softcap, alibi=alibi)
+            ref["flash_attention"](qkv, segment_ids, out=out, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, alibi=alibi)
+            return
         b, t = qkv.shape[:2]
         o, lse = scratch(out[0], (b, t, Hq * D)), scratch(out[1], (b, Hq, t))
         seg, keep_alive = segments(segment_ids)
@@ -484,7 +497,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         lib.kiln_flash_fwd(p(qkv), p(o), p(lse), b, t, Hq, Hkv, D, bool(causal), window_size or 0, seg, scale,
                            threads())
         del keep_alive
-        return None
 
     def flash_bwd(d_out: np.ndarray | None, qkv: np.ndarray, o: np.ndarray, lse: np.ndarray,
                   d_lse: np.ndarray | None = None, segment_ids: np.ndarray | None = None, *, out: Arrays,
@@ -492,9 +504,10 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                   window_size: int | None, softcap: float | None = None, alibi: bool = False) -> None:
         if not (_fits(d_out, qkv, o, lse, d_lse, *out)
                 and native_attention(qkv, segment_ids, Hq, Hkv, D, window_size, softcap, alibi)):
-            return ref["flash_attention_backward"](d_out, qkv, o, lse, d_lse, segment_ids, out=out, Hq=Hq,
-                                                   Hkv=Hkv, D=D, causal=causal, softmax_scale=softmax_scale,
-                                                   window_size=window_size, softcap=softcap, alibi=alibi)
+            ref["flash_attention_backward"](d_out, qkv, o, lse, d_lse, segment_ids, out=out, Hq=Hq,
+                                            Hkv=Hkv, D=D, causal=causal, softmax_scale=softmax_scale,
+                                            window_size=window_size, softcap=softcap, alibi=alibi)
+            return
         b, t = qkv.shape[:2]
         d_qkv = scratch(out[0], qkv.shape)
         seg, keep_alive = segments(segment_ids)
@@ -502,7 +515,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         lib.kiln_flash_bwd(p(d_out), p(qkv), p(o), p(lse), p(d_lse), p(d_qkv), b, t, Hq, Hkv, D, bool(causal),
                            window_size or 0, seg, scale, threads())
         del keep_alive
-        return None
 
     def head_rows(a: np.ndarray | None, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """(floats between sequences, floats between positions) of a float32 ``[B, T, H, D]`` array of
@@ -536,7 +548,7 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
             return None
         return [x for r in rows if r is not None for x in r]
 
-    def strides(st: list[int]) -> Any:
+    def strides(st: list[int]) -> FFI.CData:
         return ffi.new("int64_t[]", st)
 
     def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, segment_ids: np.ndarray | None = None, *,
@@ -545,8 +557,9 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         st = attention_layout(q, k, v, segment_ids, window_size, softcap, alibi, [(out[0], q.shape)])
         lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.ndim == 4 else ()
         if st is None or not _fits(out[1]) or (out[1] is not None and out[1].shape != lse_shape):
-            return ref["attention"](q, k, v, segment_ids, out=out, causal=causal, softmax_scale=softmax_scale,
-                                    window_size=window_size, softcap=softcap, alibi=alibi)
+            ref["attention"](q, k, v, segment_ids, out=out, causal=causal, softmax_scale=softmax_scale,
+                             window_size=window_size, softcap=softcap, alibi=alibi)
+            return
         b, tq, hq, d = q.shape
         o, lse = out[0], scratch(out[1], lse_shape)
         if o is None:
@@ -557,7 +570,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
         lib.kiln_attention_fwd(p(q), p(k), p(v), p(o), p(lse), strides(st), b, tq, k.shape[1], hq,
                                k.shape[2], d, bool(causal), window_size or 0, seg, scale, threads())
         del keep_alive
-        return None
 
     def attention_bwd(d_out: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
                       lse: np.ndarray, d_lse: np.ndarray | None = None,
@@ -571,9 +583,10 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                                (outs[2], k.shape)])
         if (st is None or not _fits(lse, d_lse) or lse.shape != lse_shape
                 or (d_lse is not None and d_lse.shape != lse_shape)):
-            return ref["attention_backward"](d_out, q, k, v, o, lse, d_lse, segment_ids, out=out,
-                                             causal=causal, softmax_scale=softmax_scale,
-                                             window_size=window_size, softcap=softcap, alibi=alibi)
+            ref["attention_backward"](d_out, q, k, v, o, lse, d_lse, segment_ids, out=out,
+                                      causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap, alibi=alibi)
+            return
         b, tq, hq, d = q.shape
         seg, keep_alive = segments(segment_ids)
         scale = d**-0.5 if softmax_scale is None else softmax_scale
@@ -581,7 +594,6 @@ def kernels(lib: Any, ffi: Any, reference: Callable[[str], Any]) -> dict[str, Ca
                                p(outs[2]), strides(st), b, tq, k.shape[1], hq, k.shape[2], d, bool(causal),
                                window_size or 0, seg, scale, threads())
         del keep_alive
-        return None
 
     return {"rmsnorm": rmsnorm, "fused_residual_rmsnorm": fused, "rmsnorm_apply_saved": apply_saved,
             "fused_residual_rmsnorm_apply_saved": fused_apply_saved, "rmsnorm_backward": rmsnorm_bwd,

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pluggy
+
+if TYPE_CHECKING:
+    from kiln.core import KernelTable
 
 hookimpl = pluggy.HookimplMarker("kiln")
 
@@ -54,7 +57,7 @@ def unavailable_reason() -> str | None:
 
 
 @hookimpl
-def kiln_register_kernels(registry: Any) -> None:
+def kiln_register_kernels(registry: KernelTable) -> None:
     """The native kernels for backend ``numpy`` and ``float32``: they take precedence over the NumPy
     kernels (registered for every dtype, ``"*"``), which stay for float64 and as their fallback."""
     if not enabled():
@@ -64,8 +67,8 @@ def kiln_register_kernels(registry: Any) -> None:
         return
     from kiln.cpu._kernels import OPS, kernels
 
-    core = {op: registry.find(op, "numpy", "*") for op in OPS}
-    core = {op: k for op, k in core.items() if k is not None}
-    native = kernels(module.lib, module.ffi, lambda op: core[op].fn if op in core else None)
+    found = {op: registry.find(op, "numpy", "*") for op in OPS}
+    core = {op: k for op, k in found.items() if k is not None}
+    native = kernels(module.lib, module.ffi, {op: k.fn for op, k in core.items()})
     for op, kernel in core.items():
         registry.register_kernel(op, "numpy", "float32", native[op], out=kernel.out, inplace=kernel.inplace)
