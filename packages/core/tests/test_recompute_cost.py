@@ -155,6 +155,53 @@ def test_the_cache_is_keyed_by_machine_backend_and_kernel_source(tmp_path: Path,
     assert calibrate().timed == 1
 
 
+def test_a_probe_the_times_so_far_call_long_is_priced_and_not_run(tmp_path: Path) -> None:
+    """Probes are timed cheapest first; one the fit of those predicts to take over LONG_SECONDS is priced
+    by that fit, never run (a large model's LM head took minutes); one whose warm-up alone takes that
+    long is timed by it, without repeats."""
+    import time
+
+    runs: list[int] = []
+
+    def slow(x: np.ndarray) -> np.ndarray:  # 1 microsecond per element
+        runs.append(x.size)
+        time.sleep(x.size * 1e-6)
+        return x
+
+    table = KernelTable()
+    table.register_kernel("relu", "numpy", "float32", slow)
+
+    def probe(n: int) -> Probe:
+        shape = [((n, 1000), "float32")]
+        return Probe("relu", "relu@numpy:float32", "kernel", shape, shape, cost=Cost(1000.0 * n, 8000.0 * n))
+
+    big, small = probe(3000), [probe(2), probe(4)]
+    cal = calibration_for([big, *small], backend="numpy", dtype="float32", kernels=table,
+                          registry=op_registry(), folder=tmp_path)
+    assert cal.timed == 2 and 3_000_000 not in runs
+    assert cal.entry(big) not in cal.table
+    assert 3.0 * 0.5 < cal.seconds(big) < 3.0 * 2  # the fit's 1 us per element, give or take overheads
+    runs.clear()
+    long = probe(1100)
+    cal = calibration_for([long], backend="numpy", dtype="float32", kernels=table, registry=op_registry(),
+                          folder=tmp_path / "fresh")
+    assert runs == [1_100_000] and cal.seconds(long) >= 1.1
+    # an op never timed is priced by the rates, once a compute-bound probe has set the FLOP rate: an
+    # elementwise op's (a FLOP per byte) would make a large matmul look a hundred times dearer
+    head = Probe("fused_lm_head_loss", "", "out", [((8192, 1024), "float32")], [((8192,), "float32")],
+                 cost=Cost(2.5e12, 6e8))
+    def run(p: Probe) -> Any:
+        raise RuntimeError(f"{p.op} ran")
+
+    cal = Calibration("rates")
+    cal.record(probe(64), 0.064)  # 1 GFLOP/s, memory-bound: not a rate to price a matmul by
+    with pytest.raises(RuntimeError, match="fused_lm_head_loss ran"):
+        cal.measure([head], run)
+    cal.record(attrs_evolve(probe(64), op="matmul", cost=Cost(1e10, 1e7)), 0.05)  # 200 GFLOP/s
+    cal.measure([head], run)
+    assert cal.seconds(head) == pytest.approx(2.5e12 / 2e11 + 6e8 / cal.bandwidth)
+
+
 def test_a_corrupt_cache_file_is_ignored(tmp_path: Path) -> None:
     cal = Calibration.load("k", tmp_path)
     assert cal.path is not None

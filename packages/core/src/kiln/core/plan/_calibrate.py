@@ -11,6 +11,10 @@ and keeps the times in a JSON file. Per op type it also fits ``seconds = a + b *
 The auto planner prices a replay in *FLOP-equivalents*: its measured seconds times the calibration's
 matmul rate (so a matmul costs about its FLOPs and a norm what its memory traffic takes).
 ``KILN_RECOMPUTE_COST=flops`` (or the auto option ``cost="flops"``) prices by FLOPs alone.
+
+Probes are timed cheapest first, and one that the times so far predict to take over
+:data:`LONG_SECONDS` is priced by them instead of run: calibrating a large model at long sequences
+(whose LM head alone runs for tens of seconds) takes a bounded time.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ COST_MODES = ("measured", "flops")
 _MIN_SECONDS = 0.02
 _REPEATS = 3
 _MAX_REPEATS = 6
+#: a probe whose warm-up run took longer is timed by that run alone; one the times so far predict to
+#: take longer is not run (it is priced by its op's fit, else the rates): a large model's LM head
+#: at 8192 tokens takes tens of seconds a run, and its price changes no plan
+LONG_SECONDS = 1.0
+#: FLOPs per byte from which a probe is compute-bound (an elementwise op, RoPE or a norm does about one
+#: or less; a matmul about its smallest dimension / 6)
+COMPUTE_BOUND = 16.0
 #: bytes written before each timed run, so that its inputs come from memory as in a training step
 #: (where the tensors a step reads were written long before) rather than from a warm cache
 FLUSH_BYTES = 64 << 20
@@ -236,6 +247,12 @@ class Calibration:
                            max((b / s for _, b, s in rows if b > 0), default=1e10))
         return self._rates
 
+    def _rates_known(self) -> bool:
+        """Whether a compute-bound probe (:data:`COMPUTE_BOUND` FLOPs per byte or more: a matmul,
+        attention) has been timed, so that :attr:`rate` is such a kernel's rather than a memory-bound
+        one's (far lower)."""
+        return any(f >= COMPUTE_BOUND * b and f > 0 and sec > 0 for _, f, b, sec in self.table.values())
+
     @property
     def rate(self) -> float:
         """FLOPs per second: the best any timed probe reached (a matmul's, in practice)."""
@@ -260,10 +277,14 @@ class Calibration:
 
     def measure(self, probes: Iterable[Probe], kernel: Callable[[Probe], Any]) -> None:
         """Time every probe not in the table yet with its kernel (``kernel(probe)``: the Kernel object,
-        None for the op's reference), and save the table when any was."""
+        None for the op's reference), the cheapest first, and save the table when any was. A probe the
+        times so far predict to take over :data:`LONG_SECONDS` (its op's fit, else the rates once a
+        compute-bound probe has been timed) is left to that prediction."""
         new = False
-        for p in probes:
+        for p in sorted(probes, key=lambda p: (p.cost.flops, p.cost.bytes)):
             if p.how in ("alias", "optimizer") or self.entry(p) in self.table:
+                continue
+            if (self.op_fit(p.op) is not None or self._rates_known()) and self.seconds(p) > LONG_SECONDS:
                 continue
             seconds = time_probe(p, kernel(p))
             if seconds is not None:
@@ -305,9 +326,13 @@ def time_probe(probe: Probe, kernel: Any) -> float | None:
     with warnings.catch_warnings(), np.errstate(all="ignore"):  # random values may overflow an exp
         warnings.simplefilter("ignore")
         try:
+            t0 = time.perf_counter()
             run()  # warm: first-touch pages, lazily built tables
+            warm = time.perf_counter() - t0
         except Exception:  # random inputs an op rejects (or a kernel needing the backend's context)
             return None
+        if warm > LONG_SECONDS:  # the warm-up's extra work is small beside the run's
+            return warm
         best, total, n = float("inf"), 0.0, 0
         while n < _REPEATS or (total < _MIN_SECONDS and n < _MAX_REPEATS):
             _flush(n)
