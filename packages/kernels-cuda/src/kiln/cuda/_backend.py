@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from kiln.core import PHASES, KilnError, Program, Step, counter_offset, get_registry
+from kiln.core.plan import rounded_reads
 from kiln.core.runtime import optimizer_step
 from kiln.cuda._ops import (
     ALIGN,
@@ -581,24 +582,25 @@ class CudaExecutable:
         program, dev, hyper = self.program, self.dev, self.hyper
         own = f"{step.op.type}@numpy:bfloat16"
         kernel = self.kernels[own].fn if own in self.kernels else opdef.kernel
-        lower = _computes_low(program, step, opdef)
+        # a float32 statistic of the op (lse, rstd) is read as stored, as NumPy reads it
+        rounds = rounded_reads(opdef, len(ins), _computes_low(program, step, opdef))
         rounded = [bool(k) and k in program.rounded for k in step.outputs]
         low = np_dtype("bfloat16")
 
-        def host(a: DeviceArray | None) -> np.ndarray | None:
+        def host(a: DeviceArray | None, rnd: bool) -> np.ndarray | None:
             if a is None:
                 return None
             x = dev.copy_to_host(a.ptr, a.nbytes).view(np_dtype(a.dtype)).reshape(a.shape)
             if a.dtype not in FLOATS:
                 return x
-            return (x.astype(low) if lower else x).astype(np.float32)
+            return (x.astype(low) if rnd else x).astype(np.float32)
 
         def run() -> None:
             dev.synchronize()
             attrs_ = dict(kw)
             if opdef.random and "offset" in attrs_:
                 attrs_["offset"] = counter_offset(int(attrs_["offset"]), step.layer or 0, int(hyper["step"]))
-            res = kernel(*[host(a) for a in ins], **attrs_)
+            res = kernel(*[host(a, rnd) for a, rnd in zip(ins, rounds, strict=True)], **attrs_)
             results = res if isinstance(res, (tuple, list)) else (res,)
             for o, r, rnd in zip(outs, results, rounded, strict=True):
                 if o is None:
@@ -665,13 +667,14 @@ def low_precision(program: Program, step: Step, opdef: Any, kernel: Callable[...
         return lambda: mm(*ins, out=outs, round_out=rounded[0], **kw)
     dev = next(a.device for a in (*ins, *outs) if a is not None)
     operands = 2 if lower and step.op.type in BF16_OPERANDS else 0  # a matmul's a and b, as bf16
+    rounds = rounded_reads(opdef, len(ins), lower)  # the op's float32 statistics read as stored
 
     def read(s: Scratch, i: int, a: DeviceArray | None) -> DeviceArray | None:
         if a is None or a.dtype not in FLOATS:
             return a
         if i < operands:
             return as_dtype(s, a, "bfloat16")
-        if lower and a.dtype == "float32":
+        if rounds[i] and a.dtype == "float32":
             return round_bf16(s, a)
         if direct is not None:  # it reads a bf16 tensor as it is
             return a

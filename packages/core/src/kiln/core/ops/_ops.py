@@ -146,11 +146,32 @@ class OpDef:
     #: fp32, outputs fp32: norms, softmax, losses) or ``promote`` (outputs bf16 when every float
     #: input is, else fp32); "" derives it: ``lower`` for a ``flop_heavy`` op, else ``promote``
     autocast: str = field(default="", validator=_AUTOCAST)
+    #: schema names (inputs and outputs, without ``?``/``*``) of the float32 statistics the op reads or
+    #: writes, and their cotangents: a log-sum-exp, a norm's ``rstd`` and ``mean``, a loss. A
+    #: lower-precision recipe never rounds them, wherever the op computes: a step that computes in bf16
+    #: reads them as they are stored and writes them in float32 (torch keeps SDPA's logsumexp, the
+    #: rms norm's rstd and autocast's ``cross_entropy`` in float32)
+    statistics: frozenset[str] = field(default=frozenset(), converter=frozenset)
     #: an LM-head loss op's logits: the op type ``Model.logits`` puts in its place, reading its first
     #: two inputs (``x``, the head's weight) with the attributes that op takes (as ``fused_lm_head_loss``
     #: becomes a ``matmul``; kiln-dist's vocabulary-parallel loss, its gathered logits)
     logits: str | None = None
     doc: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        names = {n.strip("*?") for n in (*self.inputs, *self.outputs)}
+        unknown = sorted(self.statistics - names)
+        if unknown:
+            raise OpError(f"op {self.name!r}: statistics names {', '.join(map(repr, unknown))}, which is not "
+                          f"one of its inputs or outputs ({', '.join(sorted(names))})", op=self.name)
+
+    def statistic_flags(self, n: int, outputs: bool = False) -> tuple[bool, ...]:
+        """Per position of ``n`` inputs (or ``outputs``) as a step lists them: whether it is one of the
+        op's :attr:`statistics` (a variadic last schema entry covers the positions from it on)."""
+        if not self.statistics:
+            return (False,) * n
+        schema = [s.strip("*?") for s in (self.outputs if outputs else self.inputs)]
+        return tuple(bool(schema) and schema[min(i, len(schema) - 1)] in self.statistics for i in range(n))
 
     @property
     def variadic_inputs(self) -> bool:

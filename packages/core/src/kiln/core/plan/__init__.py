@@ -4,7 +4,7 @@ Program's optimizer phase."""
 
 from kiln.core.plan._optim import HF_TRAINER_GROUPS, SGD, AdamW, Optimizer, ParamGroup, make_optimizer
 from kiln.core.plan._passes import GRAPH_STAGES, PLUGIN_STAGES, GraphPass, PassRun, run_passes
-from kiln.core.plan._precision import RECIPES, Precision, precision_recipe, require_ml_dtypes
+from kiln.core.plan._precision import RECIPES, Precision, precision_recipe, require_ml_dtypes, rounded_reads
 from kiln.core.plan._program import (
     PHASES,
     Fusion,
@@ -47,5 +47,6 @@ __all__ = [
     "measure",
     "precision_recipe",
     "require_ml_dtypes",
+    "rounded_reads",
     "run_passes",
 ]

@@ -9,7 +9,10 @@ float inputs rounded to bfloat16, accumulates in fp32 and rounds its first outpu
 rest: elementwise, activations, views) writes bfloat16 when every float input is bfloat16, else fp32
 (torch's type promotion). The backward's ops follow the same rules, so a weight's gradient from a
 matmul is rounded to bfloat16 before it lands in its fp32 slot, as autocast's ``.grad`` is. Weights
-(the master copy), gradients, optimizer state and the Program's inputs stay fp32.
+(the master copy), gradients, optimizer state and the Program's inputs stay fp32. So do an op's
+float32 statistics (``OpDef.statistics``: a log-sum-exp, a norm's rstd, a loss, their cotangents),
+wherever it computes: never rounded on read (:func:`rounded_reads`) nor written as bf16, as torch keeps
+SDPA's logsumexp and autocast's ``cross_entropy`` in float32.
 
 A tensor whose values are bfloat16 is stored as bfloat16 (2 bytes an element, so the planned peak
 drops) unless its slot is a fp32 one (a gradient): :attr:`Program.rounded` names them all.
@@ -76,7 +79,8 @@ class Precision:
         return self.default_class(opdef)
 
     def rounds_inputs(self, opdef: Any, override: Override | None = None) -> bool:
-        """Whether ``opdef`` reads its float inputs rounded to the low type (a ``lower`` op)."""
+        """Whether ``opdef`` reads its float inputs rounded to the low type (a ``lower`` op; its
+        :attr:`~kiln.core.ops.OpDef.statistics` excepted, :func:`rounded_reads`)."""
         return self.compute_class(opdef, override) == LOWER
 
     def rounded_outputs(self, opdef: Any, inputs: Sequence[bool | None],
@@ -88,6 +92,8 @@ class Precision:
         if not self.lowers:
             return tuple(False for _ in outputs)
         out = self._rounded(self.compute_class(opdef, override), inputs, outputs)
+        # a float32 statistic (a log-sum-exp, a norm's rstd, a loss) stays float32 wherever the op computes
+        out = tuple(r and not s for r, s in zip(out, statistic_flags(opdef, len(outputs), True), strict=True))
         if override is not None and override.output is not None and outputs and outputs[0]:
             out = (override.output == "bf16", *out[1:])
         return out
@@ -102,6 +108,24 @@ class Precision:
 
 
 FP32_RECIPE = Precision()
+
+
+def statistic_flags(opdef: Any, n: int, outputs: bool = False) -> tuple[bool, ...]:
+    """Per position of a step's ``n`` inputs (or ``outputs``): whether it is one of ``opdef``'s float32
+    statistics (:attr:`~kiln.core.ops.OpDef.statistics`), which no recipe rounds."""
+    flags = getattr(opdef, "statistic_flags", None)
+    return tuple(flags(n, outputs)) if flags is not None else (False,) * n
+
+
+def rounded_reads(opdef: Any, n: int, lower: bool) -> tuple[bool, ...]:
+    """Per input of a step of ``opdef`` with ``n`` inputs: whether a backend reads it rounded to the low
+    type, ``lower`` saying whether the step computes there (its float inputs rounded first, as autocast
+    casts an op's inputs). A float32 statistic the op reads (a log-sum-exp, a norm's rstd, a loss's
+    cotangent) is read as it is stored: torch's SDPA backward reads its float32 logsumexp, not a bf16
+    one. The one rule of the NumPy emulation and of kiln.cuda's host and generic bf16 paths."""
+    if not lower:
+        return (False,) * n
+    return tuple(not s for s in statistic_flags(opdef, n))
 
 #: the IR dtypes a per-op override may name on the NumPy emulation
 OVERRIDE_DTYPES = ("fp32", "bf16")

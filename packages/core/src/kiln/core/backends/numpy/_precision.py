@@ -5,10 +5,11 @@ reads bfloat16 tensors as float32 (exact), rounds the float inputs of a ``lower`
 attention) to bfloat16 first, and rounds each output the Program lists in ``rounded`` to bfloat16
 when it writes it: the rounding points of :mod:`kiln.core.plan._precision`, where torch's autocast
 has them. A step an ``@precision``/``@dtype`` annotation overrides (``Program.computes``) rounds its
-inputs when it computes in bf16 (but an fp32-class op with a bf16 kernel of its own, the LM head's loss
-and its backward: that kernel rounds its operands, its lse and cotangent are read as they are, as on
-cuda) and reads them as fp32 when it computes in fp32. The rounding is
-ml_dtypes' float32 -> bfloat16 cast (round to nearest, ties to even).
+inputs when it computes in bf16 and reads them as fp32 when it computes in fp32. Either way the op's
+float32 statistics (``OpDef.statistics``: attention's ``lse``, a norm's ``rstd``, the LM head's ``lse``
+and loss cotangent) are read as they are stored, as torch's SDPA backward reads its float32
+logsumexp and as kiln.cuda's bf16 kernels read them (``kiln.core.plan._precision.rounded_reads``).
+The rounding is ml_dtypes' float32 -> bfloat16 cast (round to nearest, ties to even).
 
 The LM head's fused loss needs two points inside the op (its logits are bfloat16, and so is their
 gradient before the two products of its backward): its bfloat16 kernels below hold them, as
@@ -27,7 +28,7 @@ import numpy as np
 from kiln.core._errors import KilnError
 from kiln.core.ops._ops import OpDef
 from kiln.core.ops.library._loss import _cross_entropy, _cross_entropy_backward
-from kiln.core.plan._precision import FP32, LOWER, Precision, require_ml_dtypes
+from kiln.core.plan._precision import LOWER, Precision, require_ml_dtypes, rounded_reads
 from kiln.core.plan._program import Program, Step
 
 Arrays = Sequence[np.ndarray | None]
@@ -55,19 +56,18 @@ def emulated(program: Program, step: Step, opdef: OpDef, kernel: Callable[..., A
     f32 = np.dtype(program.dtype)
     computes = getattr(program, "computes", {}).get(next((k for k in step.outputs if k), ""))
     lower = computes == "bf16" if computes else recipe.default_class(opdef) == LOWER
-    if lower and recipe.op_class(opdef) == FP32 and step.kernel.endswith(f":{recipe.low}"):
-        lower = False  # its own bf16 kernel rounds where the op does (the LM head), as on cuda
+    rounds = rounded_reads(opdef, len(ins), lower)  # the op's float32 statistics are read as stored
     rounded = [bool(k) and k in program.rounded for k in step.outputs]
 
-    def read(a: np.ndarray | None) -> np.ndarray | None:
+    def read(a: np.ndarray | None, rnd: bool) -> np.ndarray | None:
         if a is None or not _is_float(a):
             return a
-        if lower:
+        if rnd:
             return a.astype(low).astype(f32)
         return a.astype(f32) if a.dtype != f32 else a
 
     def run() -> None:
-        xs = [read(a) for a in ins]
+        xs = [read(a, rnd) for a, rnd in zip(ins, rounds, strict=True)]
         # a float32 slot is written directly; a bfloat16 one through a float32 copy of its contents
         ys = [None if o is None else o if o.dtype == f32 else o.astype(f32) for o in outs]
         if step.how == "out":

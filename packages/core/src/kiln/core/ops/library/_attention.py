@@ -931,6 +931,7 @@ CORE_OPS = [
         ("qkv_out", "q_rstd", "k_rstd"), _qkv_norm_rope, _qkv_infer, backward=_qkv_backward,
         attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), samples=_qkv_samples, cost=_qkv_cost,
         nondiff_inputs={3, 4}, out_kernel=_qkv_out,
+        statistics={"q_rstd", "k_rstd"},
         doc="Per-head RMSNorm of q and k (each only when its weight is given; its rstd is ones otherwise), "
             "then rope on q and k of packed qkv; v passes through.",
     ),
@@ -941,6 +942,7 @@ CORE_OPS = [
         ("d_qkv", "d_q_norm_weight", "d_k_norm_weight"), _qkv_bwd_kernel, _qkv_bwd_infer,
         attrs=(*_HEADS, AttrSpec("eps", "float", 1e-6), *_ROPE_ATTRS), cost=lambda s, a: _qkv_cost(s[1:], a),
         out_kernel=_qkv_bwd_out, samples=_qkv_bwd_samples,
+        statistics={"q_rstd", "k_rstd", "d_q_rstd", "d_k_rstd"},
         doc="Gradients of qkv_qk_norm_rope (a weight's gradient is zeros when that weight was omitted).",
     ),
     core_op(
@@ -948,6 +950,7 @@ CORE_OPS = [
         backward=_flash_backward, attrs=(*_HEADS, *_ATTN_ATTRS, *_SCORE_ATTRS), samples=_flash_samples,
         cost=_flash_cost(0, 1.0), out_kernel=_flash_out, nondiff_inputs={1},
         flop_heavy=True,
+        statistics={"lse"},
         doc="Softmax attention on packed qkv [B, T, (Hq + 2 * Hkv) * D] (GQA, causal, sliding window, "
             "segments: packed documents and padding; softcap and alibi as attention's): out [B, T, Hq * D] "
             "and lse [B, Hq, T].",
@@ -958,6 +961,7 @@ CORE_OPS = [
         _flash_bwd_infer, attrs=(*_HEADS, *_ATTN_ATTRS, *_SCORE_ATTRS), cost=_flash_cost(1, 2.5),
         out_kernel=_flash_bwd_out,
         samples=_backward_samples(_flash, _flash_samples, 1),
+        statistics={"lse", "d_lse"},
         doc="Gradient of flash_attention from the saved lse: dS = P * (dP - rowsum(dO * O) + d_lse).",
     ),
     core_op(
@@ -965,6 +969,7 @@ CORE_OPS = [
         backward=_attention_backward, attrs=(*_ATTN_ATTRS, *_SCORE_ATTRS), samples=_attention_samples,
         cost=_attention_cost(0, 1.0), out_kernel=_attention_out, nondiff_inputs={3},
         flop_heavy=True,
+        statistics={"lse"},
         doc="Softmax attention on q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]: out [B, Tq, Hq, D] and "
             "lse [B, Hq, Tq]; softcap caps the logits (c * tanh(s / c)), alibi adds -slope_h * |p - j|.",
     ),
@@ -974,6 +979,7 @@ CORE_OPS = [
         _attention_bwd_kernel, _attention_bwd_infer, attrs=(*_ATTN_ATTRS, *_SCORE_ATTRS),
         cost=_attention_cost(1, 2.5),
         out_kernel=_attention_bwd_out, samples=_backward_samples(_attention, _attention_bwd_samples, 3),
+        statistics={"lse", "d_lse"},
         doc="Gradients of attention from the saved lse (same math as flash_attention_backward).",
     ),
 ]

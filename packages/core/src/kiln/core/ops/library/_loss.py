@@ -453,6 +453,7 @@ CORE_OPS = [
         backward=_cross_entropy_rule, attrs=(_IGNORE,), samples=_cross_entropy_samples, nondiff_inputs={1},
         cost=lambda s, a: Cost(flops=5.0 * math.prod(s[0]), bytes=4.0 * math.prod(s[0])),
         autocast="fp32",
+        statistics={"loss", "lse"},
         doc="Per row: loss = logsumexp(logits) - logits[target] (0 where target == ignore_index), and lse.",
     ),
     core_op(
@@ -460,6 +461,7 @@ CORE_OPS = [
         _cross_entropy_backward, lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(1))], attrs=(_IGNORE,),
         nondiff_inputs={2}, cost=lambda s, a: Cost(flops=5.0 * math.prod(s[1]), bytes=8.0 * math.prod(s[1])),
         autocast="fp32",
+        statistics={"d_loss", "lse", "d_lse"},
         doc="d_logits = softmax(logits) * (d_loss + d_lse) - onehot(target) * d_loss (d_loss 0 if ignored).",
     ),
     core_op(
@@ -467,6 +469,7 @@ CORE_OPS = [
         backward=_fused_rule, attrs=_FUSED_ATTRS, samples=_fused_samples, nondiff_inputs={2},
         cost=_fused_cost, out_kernel=_fused_lm_head_loss_out,
         autocast="fp32",
+        statistics={"loss", "lse"},
         doc="cross_entropy(x @ weight^T, targets) over vocabulary chunks; logits are never materialised.",
     ),
     core_op(
@@ -475,6 +478,7 @@ CORE_OPS = [
         nondiff_inputs={3}, cost=lambda s, a: _fused_cost(s, a, backward=True),
         out_kernel=_fused_lm_head_loss_backward_out, samples=_fused_bwd_samples,
         autocast="fp32",
+        statistics={"d_loss", "lse", "d_lse"},
         doc="(d_x, d_weight) of fused_lm_head_loss, recomputing each vocabulary chunk's logits.",
     ),
 ]

@@ -397,6 +397,7 @@ CORE_OPS = [
         "rmsnorm", ("x", "weight"), ("y", "rstd"), _rmsnorm, _rmsnorm_infer, backward=_rmsnorm_backward,
         attrs=_EPS_RMS, samples=_rms_samples, cost=_rms_cost, out_kernel=_rmsnorm_out,
         autocast="fp32",
+        statistics={"rstd"},
         doc="rstd = 1/sqrt(mean(x^2, last dim) + eps); y = x * rstd * weight.",
     ),
     core_op(
@@ -404,6 +405,7 @@ CORE_OPS = [
         _rmsnorm_bwd_kernel, _rmsnorm_bwd_infer, cost=lambda s, a: _rms_cost(s[1:], a),
         out_kernel=_rmsnorm_bwd_out, samples=_rms_bwd_samples,
         autocast="fp32",
+        statistics={"rstd", "d_rstd"},
         doc="Gradients of rmsnorm from d_y and (optionally) d_rstd; d_weight sums over all leading dims.",
     ),
     core_op(
@@ -412,6 +414,7 @@ CORE_OPS = [
         cost=lambda s, a: Cost(flops=_rms_cost(s[:1], a).flops + _rms_cost(s[1:2], a).flops,
                                bytes=_rms_cost(s[:1], a).bytes + _rms_cost(s[1:2], a).bytes),
         autocast="fp32",
+        statistics={"q_rstd", "k_rstd"},
         doc="(q_norm, q_rstd) = rmsnorm(q, q_weight) and (k_norm, k_rstd) = rmsnorm(k, k_weight), each over "
             "the last (head) dim; q and k have one rank (heads may differ), rstd drops the last dim.",
     ),
@@ -422,6 +425,7 @@ CORE_OPS = [
         variants=(("rmsnorm_apply_saved", {"x": "residual_out", "rstd": "rstd", "weight": "weight"},
                    {"y": "y"}),),
         autocast="fp32",
+        statistics={"rstd"},
         doc="residual_out = residual + x; (y, rstd) = rmsnorm(residual_out, weight).",
     ),
     core_op(
@@ -430,6 +434,7 @@ CORE_OPS = [
         ("d_residual", "d_x", "d_weight"), _fused_bwd_kernel, _fused_bwd_infer,
         cost=lambda s, a: _rms_cost(s[2:], a), out_kernel=_fused_bwd_out, samples=_fused_bwd_samples,
         autocast="fp32",
+        statistics={"rstd", "d_rstd"},
         doc="Gradients of fused_residual_rmsnorm; d_residual and d_x are equal (both = d_residual_out + "
             "the norm's d_input).",
     ),
@@ -438,6 +443,7 @@ CORE_OPS = [
         cost=_rms_cost, out_kernel=_rms_apply_saved_out, inplace={0},
         samples=lambda rng: [Sample((randn(rng, 2, 3, 5), rng.random((2, 3)) + 0.5, randn(rng, 5)))],
         autocast="fp32",
+        statistics={"rstd"},
         doc="y = x * rstd * weight with a saved rstd (recompute; bitwise equal to rmsnorm).",
     ),
     core_op(
@@ -446,12 +452,14 @@ CORE_OPS = [
         inplace={0, 1}, samples=lambda rng: [Sample((randn(rng, 2, 3, 5), randn(rng, 2, 3, 5),
                                                      rng.random((2, 3)) + 0.5, randn(rng, 5)))],
         autocast="fp32",
+        statistics={"rstd"},
         doc="fused_residual_rmsnorm with a saved rstd (recompute; bitwise equal outputs).",
     ),
     core_op(
         "layernorm", ("x", "weight", "bias?"), ("y", "mean", "rstd"), _layernorm, _layernorm_infer,
         backward=_layernorm_backward, attrs=_EPS_LN, samples=_ln_samples, cost=_rms_cost,
         autocast="fp32",
+        statistics={"mean", "rstd"},
         doc="y = (x - mean) * rstd * weight + bias over the last dim, rstd = 1/sqrt(biased var + eps).",
     ),
     core_op(
@@ -459,6 +467,7 @@ CORE_OPS = [
         ("d_x", "d_weight", "d_bias"), _layernorm_bwd_kernel, _layernorm_bwd_infer,
         cost=lambda s, a: _rms_cost(s[1:], a),
         autocast="fp32",
+        statistics={"mean", "rstd", "d_mean", "d_rstd"},
         doc="Gradients of layernorm from d_y and optional d_mean, d_rstd (d_bias = sum of d_y).",
     ),
 ]
