@@ -68,8 +68,9 @@ def train(out: str, degree: int) -> None:
 
 def tensor_parallel(out: str, degree: int) -> None:
     """A tiny Qwen3 tensor parallel over ``nccl-tp`` on the emulated ``cuda`` backend; besides its losses
-    and gathered parameters, what tensor parallelism's kernels read back to the host that is not a token
-    id or target (an activation: none), how many ran, and what the group's collectives were handed."""
+    and gathered parameters, what tensor parallelism's kernels read back to the host (bytes: none, not
+    even a token id or target) and how often they synchronised the device (never), how many ran, and
+    what the group's collectives were handed."""
     from pathlib import Path
     from typing import Any
 
@@ -81,15 +82,19 @@ def tensor_parallel(out: str, degree: int) -> None:
     import _tp_worker as worker
 
     class Counting(EmulatedDevice):
-        """Counts the bytes read back to the host while a tensor-parallel kernel runs, but the ids'."""
+        """Counts the bytes read back to the host, and the synchronisations, while a tensor-parallel
+        kernel runs."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.ids: set[int] = set()
-            self.active, self.activations = False, 0
+            self.active, self.activations, self.syncs = False, 0, 0
+
+        def synchronize(self) -> None:
+            self.syncs += self.active
+            super().synchronize()
 
         def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
-            if self.active and ptr not in self.ids:
+            if self.active:
                 self.activations += nbytes
             return super().copy_to_host(ptr, nbytes)
 
@@ -97,7 +102,6 @@ def tensor_parallel(out: str, degree: int) -> None:
 
     def counted(op: str, fn: Any) -> Any:
         def run(*args: Any, **kw: Any) -> None:
-            device.ids = {a.ptr for a in args if a is not None and a.dtype == "int32"}
             device.active, calls[op] = True, calls.get(op, 0) + 1
             try:
                 fn(*args, **kw)
@@ -125,7 +129,7 @@ def tensor_parallel(out: str, degree: int) -> None:
         model, stats = worker.train((group.rank, group.world_size), "Qwen3Model", TensorParallel(tp), "cuda")
         whole = gather_state(model)["parameters"]
         np.savez(f"{out}/rank{MPI.COMM_WORLD.Get_rank()}.npz", stats=np.array(stats),
-                 activations=device.activations, handed=np.array(sorted(handed)),
+                 activations=device.activations, syncs=device.syncs, handed=np.array(sorted(handed)),
                  ops=np.array(sorted(calls)), **{f"param:{k}": v for k, v in whole.items()})
 
 

@@ -2,8 +2,9 @@
 host memory whose addresses stand for device pointers). Two ranks run as two threads of this process,
 each with its own emulated device, over a communicator that takes device buffers (as ``nccl`` does):
 every kernel leaves what the op's NumPy reference leaves when the same two ranks run it on host arrays,
-its collectives get device buffers only, and no activation is copied to or from the host (the token
-ids and targets alone are read back, to map them into the rank's rows). A communicator of host arrays
+its collectives get device buffers only, and nothing is copied to or from the host: not even the token
+ids and targets, which kiln.cuda's ``vocab_local_ids`` maps into the rank's rows on the device (an id
+outside the vocabulary raised after the next synchronisation). A communicator of host arrays
 (``mpi``) keeps the host path. Under 2 MPI ranks with the stand-in nccl (``standin/``), a tiny Qwen3
 trains tensor parallel on emulated cuda as one process does (``test_nccl_grid.py``)."""
 
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from kiln.core import OpError, PluginSession, get_registry
+from kiln.dist import _cuda
 from kiln.dist._cuda import (
     CUDA_TP_KERNELS,
     CudaBuffer,
@@ -32,10 +34,10 @@ from kiln.dist._cuda import (
     cuda_vocab_parallel_logits,
 )
 from kiln.dist._tensor import _tp_all_reduce
-from kiln.dist._vocab import _embedding, _embedding_backward, _gathered_logits, _loss, _loss_backward
+from kiln.dist._vocab import _embedding, _embedding_backward, _gathered_logits, _local, _loss, _loss_backward
 
 pytest.importorskip("kiln.cuda", reason="the cuda backend is kiln-kernels-cuda's")
-from kiln.cuda import DeviceArray, EmulatedDevice
+from kiln.cuda import DeviceArray, EmulatedDevice, check_id_errors
 
 
 def _view(buf: Any) -> np.ndarray:
@@ -92,7 +94,11 @@ class Counting(EmulatedDevice):
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[tuple[int, int]] = []
-        self.written = 0
+        self.written = self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        super().synchronize()
 
     def copy_to_host(self, ptr: int, nbytes: int) -> np.ndarray:
         self.reads.append((ptr, nbytes))
@@ -210,11 +216,12 @@ def _run(op: str, device_buffers: bool) -> tuple[list[Any], list[Any], list[Thre
         want = on_host_results[r]
         out = [_put(dev, np.full(w.shape, np.nan, np.float32)) for w in want]
         dev.reads.clear()
-        dev.written = 0
+        dev.written = dev.syncs = 0
         kernel(*arrays, out=out, communicator=f"dev{r}", **attrs)
-        reads, written = list(dev.reads), dev.written
-        ids = {a.ptr for a in arrays if a is not None and a.dtype == "int32"}
-        return [_get(o) for o in out], ids, reads, written
+        moved = (list(dev.reads), dev.written, dev.syncs)
+        dev.synchronize()
+        check_id_errors(dev)  # every id in the vocabulary
+        return [_get(o) for o in out], moved
 
     on_host_results = _ranks(WORLD, on_host)
     got = _ranks(WORLD, on_device)
@@ -226,14 +233,14 @@ def test_tensor_parallel_kernels_on_device_buffers_leave_what_the_reference_leav
     with PluginSession().activate():
         want, got, comms = _run(op, device_buffers=True)
     for r in range(WORLD):
-        outs, ids, reads, written = got[r]
+        outs, (reads, written, syncs) = got[r]
         for g, w in zip(outs, want[r], strict=True):
             np.testing.assert_allclose(g, np.asarray(w, np.float32), rtol=2e-5, atol=2e-6,
                                        err_msg=f"rank {r}")
-        # the collectives on device buffers only; nothing but the ids read back to the host
+        # the collectives on device buffers only; nothing copied to or from the host (not the ids either),
+        # no synchronisation
         assert set(comms[r].got) <= {CudaBuffer}
-        assert all(ptr in ids for ptr, _ in reads), (op, reads)
-        assert written <= 2 * sum(n for _, n in reads)  # the ids mapped into the rank's rows (int32)
+        assert (reads, written, syncs) == ([], 0, 0), op
     if op == "tp_all_reduce":
         assert comms[0].got == [CudaBuffer]  # one all-reduce, of the output in place
 
@@ -257,15 +264,54 @@ def test_a_communicator_of_host_arrays_keeps_the_host_path() -> None:
         assert comms[r].got and set(comms[r].got) == {np.ndarray}
 
 
-def test_a_token_id_outside_the_vocabulary_names_the_op() -> None:
+@pytest.mark.parametrize("op", ["vocab_parallel_embedding", "vocab_parallel_lm_head_loss"])
+def test_a_token_id_outside_the_vocabulary_names_the_op_at_the_next_synchronisation(op: str) -> None:
+    """The op reads nothing back; the reference's error, naming the op, comes where the device is next
+    synchronised (the backend checks when it reads a tensor back: the loss, at the latest)."""
     with PluginSession().activate():
         comm = ThreadRank(Group(1), 0)
         get_registry("communicators").register("one", comm)
         dev = Counting()
         ids, w = _put(dev, np.array([1, 9], np.int32)), _put(dev, np.ones((4, 3), np.float32))
         out = _put(dev, np.zeros((2, 3), np.float32))
-        with pytest.raises(OpError, match="'vocab_parallel_embedding': index 9 is outside \\[0, 4\\)"):
+        dev.reads.clear()
+        if op == "vocab_parallel_embedding":
             cuda_vocab_parallel_embedding(ids, w, out=[out], communicator="one")
+        else:
+            x = _put(dev, np.ones((2, 3), np.float32))
+            loss = [_put(dev, np.zeros(2, np.float32)) for _ in "ab"]
+            cuda_vocab_parallel_lm_head_loss(x, w, ids, out=loss, communicator="one", ignore_index=-100,
+                                             softcap=None)
+        assert dev.reads == []
+        dev.synchronize()
+        with pytest.raises(OpError, match=f"'{op}': index 9 is outside \\[0, 4\\)"):
+            check_id_errors(dev)
+
+
+@pytest.mark.parametrize("vocab", [None, 13])
+def test_the_device_mapping_of_every_rank_equals_the_references(vocab: int | None) -> None:
+    """kiln.cuda's ``vocab_local_ids`` against kiln-dist's ``_local`` for each of 3 ranks of 5 rows (13:
+    the last rank's last two rows padding), ignored targets among the ids: what the ops take from it."""
+    world, rows, ignore = 3, 5, -100
+    ids = np.random.default_rng(0).integers(0, vocab or world * rows, 600).astype(np.int32)
+    ids[::7] = ignore
+    with PluginSession().activate():
+        group = Group(1)
+        dev = Counting()
+        d_ids = _put(dev, ids)
+        for r in range(world):
+            comm = ThreadRank(group, 0)
+            comm.rank, comm.world_size = r, world
+            get_registry("communicators").register(f"rank{r}", comm)
+            rel, mine = _local(ids, rows, f"rank{r}", "op", ignore, vocab)
+            outs = [_put(dev, np.zeros(ids.shape, np.int32)) for _ in range(3)]
+            _cuda._local_ids(d_ids, outs, comm, rows, "op", fill=7, ignore=ignore, vocab=vocab)
+            got_rel, got_mine, got_owner = (_get(o) for o in outs)
+            np.testing.assert_array_equal(got_mine, mine.astype(np.int32), err_msg=f"rank {r}")
+            np.testing.assert_array_equal(got_rel, np.where(mine, rel, np.where(ids != ignore, 7, -1)))
+            np.testing.assert_array_equal(got_owner, np.where(ids != ignore, ids // rows, -1))
+        dev.synchronize()
+        check_id_errors(dev)
 
 
 def test_the_cuda_backend_runs_these_kernels_for_tensor_parallelism() -> None:
@@ -280,7 +326,8 @@ def test_tensor_parallel_on_the_nccl_grid_on_emulated_cuda_equals_one_process(tm
     """2 MPI ranks, the stand-in nccl: a tiny Qwen3 whose blocks and vocabulary are split over
     ``nccl-tp`` trains on the emulated ``cuda`` backend as one process does (losses and clipped-by norms
     to 1e-5, weights to 1e-4: float32 sums in another order); every tensor-parallel op ran its cuda kernel,
-    whose collectives got device buffers only, and none copied an activation to the host."""
+    whose collectives got device buffers only, and none copied anything to the host (token ids and
+    targets included) or synchronised the device."""
     import importlib.util
     from pathlib import Path
 
@@ -305,7 +352,7 @@ def test_tensor_parallel_on_the_nccl_grid_on_emulated_cuda_equals_one_process(tm
         np.testing.assert_allclose(rank["stats"], stats, rtol=1e-5)
         for k, v in full.parameters().items():
             assert np.linalg.norm(rank[f"param:{k}"] - v) <= 1e-4 * np.linalg.norm(v), k
-        assert int(rank["activations"]) == 0
+        assert (int(rank["activations"]), int(rank["syncs"])) == (0, 0)  # not even an id read back
         assert set(rank["ops"]) == {"tp_copy", "tp_all_reduce", "vocab_parallel_embedding",
                                     "vocab_parallel_embedding_backward", "vocab_parallel_lm_head_loss",
                                     "vocab_parallel_lm_head_loss_backward"}, rank["ops"]

@@ -30,8 +30,10 @@ allocates nothing.
 Tensor parallelism's ops (``tp_copy``, ``tp_all_reduce``, the vocabulary-parallel ops; float32) run
 their collectives on device buffers on the compute stream too, their local parts composed of
 ``kiln.cuda``'s public launch functions (matmul, embedding, cross-entropy, the fused LM head loss),
-temporaries in the step's workspace: no activation goes to the host. The token ids and targets do,
-to map them into the rank's rows (``kiln.cuda`` has no integer kernels).
+temporaries in the step's workspace: nothing goes to the host. The token ids and targets are mapped into
+the rank's rows on the device too (``kiln.cuda``'s ``vocab_local_ids``), with no synchronisation: an id
+outside the vocabulary is an ``OpError`` naming the op where the backend next synchronises (when it reads
+a tensor back: the loss, at the latest).
 
 Any other communicator (``mpi`` takes host NumPy arrays), and a dtype a device collective does not
 take, runs the op's NumPy reference on host copies, as the backend does for an op without a kernel.
@@ -504,22 +506,6 @@ def _host_op(reference: Callable[..., Any], ins: Sequence[Any], outs: Sequence[A
             dev.copy_to_device(o.ptr, np.ascontiguousarray(np.asarray(h, _np_dtype(o.dtype))))
 
 
-def _ids(ids: Any) -> np.ndarray:
-    """The token ids (or targets) on the host, to map into this rank's rows: kiln.cuda has no integer
-    kernels yet, so these (never an activation) are read back; zeros in a dry run."""
-    dev = ids.device
-    dev.synchronize()
-    host = dev.copy_to_host(ids.ptr, ids.nbytes).view(_np_dtype(ids.dtype)).reshape(ids.shape)
-    return host.astype(np.int64)
-
-
-def _int32(s: Any, dev: Any, values: np.ndarray) -> Any:
-    """``values`` as an int32 array of the step's workspace."""
-    arr = s.array(values.shape, "int32")
-    dev.copy_to_device(arr.ptr, np.ascontiguousarray(values, np.int32))
-    return arr
-
-
 def cuda_tp_copy(x: Any, *, out: Sequence[Any], communicator: str) -> None:
     """``tp_copy`` on the device: the input as it is (a device copy; its gradient's ``tp_all_reduce``
     is the collective)."""
@@ -543,13 +529,17 @@ def cuda_tp_all_reduce(x: Any, *, out: Sequence[Any], communicator: str) -> None
         comm.all_reduce(CudaBuffer(o.ptr, o.size, o.dtype), stream=_stream(dev))
 
 
-def _local_ids(ids: np.ndarray, rows: int, communicator: str, op: str, ignore: int | None = None,
-               vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The ids relative to this rank's first row and where they fall in its rows (the reference's
-    mapping, and its error naming the op for an id outside the vocabulary)."""
-    from kiln.dist._vocab import _local
+def _local_ids(ids: Any, out: Sequence[Any], comm: Any, rows: int, op: str, *, fill: int,
+               ignore: int | None = None, vocab: int | None = None) -> None:
+    """The reference's mapping (``_local``) on the device, into int32 ``out = (rel, mine, owner)``
+    (``kiln.cuda``'s ``vocab_local_ids``: the id relative to this rank's first row where it falls in its
+    rows, -1 for an ignored one, else ``fill``; 0/1 where it falls there; the rank holding it). An id
+    outside the vocabulary is the reference's error naming ``op``, raised where the backend next
+    synchronises: nothing is read back here."""
+    from kiln.cuda import vocab_local_ids
 
-    return _local(ids, rows, communicator, op, ignore, vocab)
+    vocab_local_ids(ids, out=out, rank=comm.rank, rows=rows, fill=fill, ignore_index=ignore, op=op,
+                    size=rows * comm.world_size if vocab is None else vocab)
 
 
 def cuda_vocab_parallel_embedding(ids: Any, weight: Any, *, out: Sequence[Any], communicator: str,
@@ -566,10 +556,9 @@ def cuda_vocab_parallel_embedding(ids: Any, weight: Any, *, out: Sequence[Any], 
         return
     dev, o = weight.device, out[0]
     rows, c = weight.shape
-    rel, mine = _local_ids(_ids(ids), rows, communicator, "vocab_parallel_embedding", vocab=vocab_size)
     with Scratch(dev) as s:
-        rel_d = _int32(s, dev, np.where(mine, rel, 0))
-        mask_d = _int32(s, dev, mine.astype(np.int32))
+        rel_d, mask_d = s.array(ids.shape, "int32"), s.array(ids.shape, "int32")
+        _local_ids(ids, (rel_d, mask_d), comm, rows, "vocab_parallel_embedding", fill=0, vocab=vocab_size)
         table, mask = s.array((2, c)), s.array((ids.size, c))
         _ew(dev, "fill_f32", c, (table.ptr, 0.0, c))
         _ew(dev, "fill_f32", c, (table.ptr + 4 * c, 1.0, c))
@@ -593,11 +582,11 @@ def cuda_vocab_parallel_embedding_backward(d_out: Any, ids: Any, *, out: Sequenc
         _host_op(_embedding_backward, [d_out, ids], out, attrs)
         return
     dev = d_out.device
-    rel, mine = _local_ids(_ids(ids), num_embeddings, communicator, "vocab_parallel_embedding_backward",
-                           vocab=vocab_size)
     pad = None if padding_idx is None else padding_idx - comm.rank * num_embeddings
     with Scratch(dev) as s:
-        rel_d = _int32(s, dev, np.where(mine, rel, -1))
+        rel_d = s.array(ids.shape, "int32")
+        _local_ids(ids, (rel_d,), comm, num_embeddings, "vocab_parallel_embedding_backward", fill=-1,
+                   vocab=vocab_size)
         embedding_backward(d_out.reshape((ids.size, d_out.shape[-1])), rel_d, out=out,
                            num_embeddings=num_embeddings,
                            padding_idx=pad if pad is not None and 0 <= pad < num_embeddings else None)
@@ -646,14 +635,6 @@ def cuda_vocab_parallel_logits(x: Any, weight: Any, *, out: Sequence[Any], commu
                 strided_copy(parts, o, (n, cols), (rows, 1), (whole, 1), r * n * rows, r * rows)
 
 
-def _targets(targets: Any, rows: int, communicator: str, op: str, ignore: int,
-             vocab: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The targets (global), relative to this rank's rows, and where they fall in them."""
-    t = _ids(targets)
-    rel, mine = _local_ids(t, rows, communicator, op, ignore, vocab)
-    return t, rel, mine
-
-
 def cuda_vocab_parallel_lm_head_loss(x: Any, weight: Any, targets: Any, *, out: Sequence[Any],
                                      communicator: str, ignore_index: int, softcap: float | None,
                                      vocab_size: int | None = None) -> None:
@@ -673,12 +654,12 @@ def cuda_vocab_parallel_lm_head_loss(x: Any, weight: Any, targets: Any, *, out: 
         return
     dev, n, rows, world = x.device, x.shape[0], weight.shape[0], comm.world_size
     real = _real_rows(weight, comm, vocab_size)
-    t, rel, mine = _targets(targets, rows, communicator, "vocab_parallel_lm_head_loss", ignore_index,
-                             vocab_size)
     with Scratch(dev) as s:
         loss_out, lse_out = s.out(out[0], (n,)), s.out(out[1], (n,))
-        mine_d = _int32(s, dev, np.where(mine, rel, -1))
-        owner_d = _int32(s, dev, np.where(t != ignore_index, t // rows, -1))  # the rank holding the target
+        # the targets in this rank's rows (-1 elsewhere), and the rank holding each (-1: ignored)
+        mine_d, owner_d = s.array(targets.shape, "int32"), s.array(targets.shape, "int32")
+        _local_ids(targets, (mine_d, None, owner_d), comm, rows, "vocab_parallel_lm_head_loss", fill=-1,
+                   ignore=ignore_index, vocab=vocab_size)
         local, gathered = s.array((2, n)), s.array((world, 2, n))  # lse_r | lse_r - z_target (0: not held)
         held, ranks = s.array((n,)), s.array((n, world))
         if not n:
@@ -727,8 +708,6 @@ def cuda_vocab_parallel_lm_head_loss_backward(d_loss: Any, x: Any, weight: Any, 
         return
     dev, rows = x.device, weight.shape[0]
     real = _real_rows(weight, comm, vocab_size)
-    t, rel, mine = _targets(targets, rows, communicator, "vocab_parallel_lm_head_loss_backward",
-                            ignore_index, vocab_size)
     d_x, d_w = out
     with Scratch(dev) as s:
         if d_w is not None and real < rows:  # the padding rows: no gradient
@@ -739,7 +718,9 @@ def cuda_vocab_parallel_lm_head_loss_backward(d_loss: Any, x: Any, weight: Any, 
                 dev.memset(d_x.ptr, 0, d_x.nbytes)
             return
         # a live target another rank holds: past this rank's rows (no one-hot, the softmax's share kept)
-        t_d = _int32(s, dev, np.where(mine, rel, np.where(t != ignore_index, real, -1)))
+        t_d = s.array(targets.shape, "int32")
+        _local_ids(targets, (t_d,), comm, rows, "vocab_parallel_lm_head_loss_backward", fill=real,
+                   ignore=ignore_index, vocab=vocab_size)
         fused_lm_head_loss_backward(d_loss, x, _first_rows(weight, real), t_d, lse, d_lse,
                                     out=(d_x, None if d_w is None else _first_rows(d_w, real)),
                                     ignore_index=-1, softcap=softcap)

@@ -9,6 +9,7 @@ from kiln.cuda._ops import (
     THREADS,
     DeviceArray,
     Scratch,
+    check_id_errors,
     cross_entropy,
     embedding,
     embedding_backward,
@@ -17,6 +18,7 @@ from kiln.cuda._ops import (
     matmul,
     norm_into,
     strided_copy,
+    vocab_local_ids,
 )
 from kiln.cuda._plugin import cuda_available, unavailable_reason
 
@@ -27,8 +29,9 @@ __version__ = version("kiln-kernels-cuda")
 #: block size of the elementwise kernels): what other packages' kernels for ``cuda`` build on (kiln-dist's);
 #: and the launch functions those compose (``matmul``, ``embedding``/``embedding_backward``,
 #: ``cross_entropy``, ``fused_lm_head_loss``/``_backward``, ``strided_copy``: the kernel table's ``out=``
-#: convention on ``DeviceArray`` views, float32)
+#: convention on ``DeviceArray`` views, float32); ``vocab_local_ids`` maps token ids into a rank's rows
+#: of a split vocabulary, its bad ids raised by ``check_id_errors`` after a synchronisation
 __all__ = ["THREADS", "CudaBackend", "DeviceArray", "EmulatedCuda", "EmulatedDevice", "Scratch",
-           "__version__", "compile_cubin", "cross_entropy", "cuda_available", "embedding",
+           "__version__", "check_id_errors", "compile_cubin", "cross_entropy", "cuda_available", "embedding",
            "embedding_backward", "fused_lm_head_loss", "fused_lm_head_loss_backward", "matmul", "norm_into",
-           "strided_copy", "unavailable_reason"]
+           "strided_copy", "unavailable_reason", "vocab_local_ids"]

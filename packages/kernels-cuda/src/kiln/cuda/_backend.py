@@ -35,6 +35,7 @@ from kiln.cuda._ops import (
     adamw_update,
     as_dtype,
     cast,
+    check_id_errors,
     grad_norm,
     grad_norm_on_device,
     round_bf16,
@@ -303,6 +304,7 @@ class CudaExecutable:
     def _read_scalars(self) -> None:
         """The gradient norm and clipping factor the device computed, into ``hyper``."""
         self.dev.synchronize()
+        check_id_errors(self.dev)  # a token id a kernel found outside its vocabulary
         norm, scale = self.dev.copy_to_host(self.scalars.ptr, 8).view(np.float32)
         self.hyper["grad_norm"], self.hyper["scale"] = float(norm), float(scale)
 
@@ -336,6 +338,7 @@ class CudaExecutable:
     def read(self, name: str) -> np.ndarray:
         a = self.arrays[name]
         self.dev.synchronize()
+        check_id_errors(self.dev)  # a token id a kernel found outside its vocabulary
         if name in self.on_host:  # pinned host memory: read in place
             raw = np.empty(a.nbytes, np.uint8)
             ctypes.memmove(raw.ctypes.data, a.ptr, a.nbytes)

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kiln.core import KilnError, dropout_key
+from kiln.core import KilnError, OpError, dropout_key
 
 THREADS = 256
 #: at most this many blocks of grad-norm partial sums per gradient; their number depends only on the
@@ -479,6 +479,75 @@ def embedding_backward(d_out: DeviceArray, ids: DeviceArray, *, out: Sequence[De
     d_out.device.launch("embedding_backward_f32", (cdiv(c, THREADS), cdiv(v, rows_per_part)), (THREADS,),
                         (d_out.ptr, ids.ptr, out[0].ptr, ids.size, c, v, rows_per_part,
                          -1 if padding_idx is None else padding_idx))
+
+
+#: error slots of :func:`vocab_local_ids` per device: one per (op, vocabulary size) mapping ids there
+ID_SLOTS = 64
+
+
+class _IdErrors:
+    """A device's error slots (two int64 words each: set, the id found), allocated at its first
+    :func:`vocab_local_ids`, and what each slot checks: (op, size)."""
+
+    def __init__(self, device: Any) -> None:
+        self.ptr = device.alloc(16 * ID_SLOTS)
+        device.memset(self.ptr, 0, 16 * ID_SLOTS)  # freed with the device (its context, its memory)
+        self.slots: dict[tuple[str, int], int] = {}
+
+    def slot(self, op: str, size: int) -> int:
+        i = self.slots.setdefault((op, size), len(self.slots) % ID_SLOTS)  # past 64 ops: shared, still caught
+        return self.ptr + 16 * i
+
+
+_ID_ERRORS: weakref.WeakKeyDictionary[Any, _IdErrors] = weakref.WeakKeyDictionary()
+
+
+def vocab_local_ids(ids: DeviceArray, *, out: Sequence[DeviceArray | None], rank: int, rows: int, size: int,
+                    fill: int, ignore_index: int | None = None, op: str = "vocab_local_ids") -> None:
+    """Token ids (or targets) mapped into rank ``rank``'s rows ``[rank * rows, (rank + 1) * rows)`` of a
+    vocabulary of ``size`` on the device (kiln-dist's ``_local``), ``out = (rel, mine, owner)``, each int32
+    of the ids' shape or None: ``rel`` the id relative to the rank's first row where the rank holds it,
+    -1 for an ``ignore_index`` id, else ``fill``; ``mine`` 1 where the rank holds it, else 0; ``owner``
+    the rank holding it, -1 for an ignored id. An id (not ignored) outside ``[0, size)`` cannot raise on
+    the device: :func:`check_id_errors` raises the ``OpError`` naming ``op`` after the next
+    synchronisation (the backend checks when it reads a tensor back)."""
+    _i32(ids, "token ids")
+    for o in out:
+        if o is not None and (o.dtype != "int32" or o.size != ids.size):
+            raise KilnError(f"vocab_local_ids writes int32 of the ids' {ids.size} elements; found {o.dtype} "
+                            f"{o.shape}")
+    if rows < 1 or rank < 0 or size < 0:
+        raise KilnError(f"vocab_local_ids: rank {rank} of {rows} rows (a vocabulary of {size}) is no split")
+    rel, mine, owner = (*out, None, None, None)[:3]
+    dev = ids.device
+    err = 0 if getattr(dev, "name", "") == "sizing" else _id_errors(dev).slot(op, size)
+    if ids.size:
+        dev.launch("vocab_local_ids_i32", ew_grid(ids.size), (THREADS,),
+                   (ids.ptr, _ptr(rel), _ptr(mine), _ptr(owner), err, ids.size, rows, rank, size, fill,
+                    (1 << 40) if ignore_index is None else ignore_index))
+
+
+def _id_errors(device: Any) -> _IdErrors:
+    if device not in _ID_ERRORS:
+        _ID_ERRORS[device] = _IdErrors(device)
+    return _ID_ERRORS[device]
+
+
+def check_id_errors(device: Any) -> None:
+    """After a synchronisation of ``device``: the ``OpError`` of the first op whose
+    :func:`vocab_local_ids` found an id outside its vocabulary since the last check (the slots then
+    reset); nothing to read where no ids were mapped on ``device``."""
+    errors = _ID_ERRORS.get(device)
+    if errors is None or not errors.slots:
+        return
+    used = min(len(errors.slots), ID_SLOTS)
+    words = device.copy_to_host(errors.ptr, 16 * used).view(np.int64).reshape(used, 2)
+    if not words[:, 0].any():
+        return
+    device.memset(errors.ptr, 0, 16 * used)
+    for (op, size), i in errors.slots.items():
+        if words[i, 0]:
+            raise OpError(f"op {op!r}: index {int(words[i, 1])} is outside [0, {size})", op=op)
 
 
 def rope(x: DeviceArray, freqs: DeviceArray | None, position_ids: DeviceArray, *, out: Sequence[DeviceArray],

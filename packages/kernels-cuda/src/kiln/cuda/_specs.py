@@ -147,6 +147,10 @@ SPECS |= {
 }
 
 
+# kiln-dist's vocabulary parallelism: token ids mapped into a rank's rows on the device
+SPECS |= _specs("vocab.cu", vocab_local_ids_i32="ppppp q iiii q")
+
+
 def sources() -> list[Path]:
     """Every kernel source file of the package."""
     return sorted(KERNEL_DIR.glob("*.cu"))
