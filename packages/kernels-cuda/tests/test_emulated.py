@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,6 +55,73 @@ def test_lm_head_loss_in_many_row_tiles(emulated: EmulatedDevice, monkeypatch: p
     assert _ops._head_tiles(13, 301) == [(0, 4), (4, 8), (8, 12), (12, 13)]
     for name in ("fused_lm_head_loss-capNone", "fused_lm_head_loss_backward-cap5.0"):
         assert run_case(CASES[name], emulated) <= CASES[name].atol
+
+
+def _launches(device: EmulatedDevice, monkeypatch: pytest.MonkeyPatch,
+              wrong: dict[str, tuple[int, Any]] | None = None) -> dict[str, int]:
+    """Counts ``device``'s launches by kernel name; ``wrong`` maps a kernel name's prefix to (an argument's
+    index, a function that spoils it) for every launch of it."""
+    counts: dict[str, int] = {}
+    launch = device.launch
+
+    def counted(name: str, grid: Any, block: Any, args: Any) -> None:
+        counts[name] = counts.get(name, 0) + 1
+        for prefix, (i, spoil) in (wrong or {}).items():
+            if name.startswith(prefix):
+                args = [*args[:i], spoil(args[i]), *args[i + 1:]]
+        launch(name, grid, block, args)
+
+    monkeypatch.setattr(device, "launch", counted)
+    return counts
+
+
+#: the check's cases of the kernel variants that read their slots as they lie, and the kernels each runs
+DIRECT = {
+    # 13 rows in blocks of 5, 150 words in chunks of 64; one block of 13 rows, chunks of 40
+    "fused_lm_head_loss_and_grad-vocab-tiled": {"lm_head_lse_chunk_f32": 3 * 3,
+                                                "lm_head_grad_chunk_f32": 3 * 3, "lm_head_lse_done_f32": 3},
+    "fused_lm_head_loss_and_grad-vocab-tiled-ignore7": {"lm_head_lse_chunk_f32": 4,
+                                                        "lm_head_lse_done_f32": 1},
+    # 21 rows in blocks of 8, 53 words in chunks of 16
+    "fused_lm_head_loss_and_grad-vocab-tiled-bf16": {"lm_head_lse_chunk_bf16": 3 * 4,
+                                                     "lm_head_grad_chunk_bf16": 3 * 4},
+    **{f"matmul_bf16_{types}-{t}": {f"matmul_bf16_{types}": 1}
+       for types in ("hhh", "hff", "hfh", "fhf", "fhh", "fff", "ffh") for t in ("NN", "NT", "TN", "TT")},
+    "flash_attention_twin-f32-qkv-causal-gqa": {"flash_attention_twin64_bf16_f": 1},
+    # (the bf16-qkv case's _hf kernels differ from these in qkv's load alone: not run again here)
+    "flash_attention_backward_twin-f32-qkv-f32-grad-causal-gqa": {
+        f"flash_attention_backward_{k}_twin64_bf16_ff": 1 for k in ("dq", "dkv")},
+}
+
+
+#: a spoiled launch of each kind: a vocabulary chunk one word narrower, K one short, the softmax scale doubled
+SPOILED = {"lm_head_lse_chunk": (5, lambda w: w - 1), "matmul_bf16_": (6, lambda k: k - 1),
+           "flash_attention_twin": (10, lambda s: 2 * s),
+           "flash_attention_backward_dkv": (12, lambda s: 2 * s)}
+
+
+@pytest.mark.parametrize("name", list(DIRECT))
+def test_direct_cases_run_their_variant_and_can_fail(emulated: EmulatedDevice,
+                                                     monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Each case runs the variant it stands for, as many times as its tiling says (the LM head's vocabulary
+    really split into chunks: no one-pass kernel), and no cast (float32 operands are read as they lie); the
+    case passes in ``test_kernel_matches_numpy_reference`` and fails here, where one argument of the
+    variant's launch is wrong (a NaN, a value never written, fails too)."""
+    counts = _launches(emulated, monkeypatch, SPOILED)
+    assert not run_case(CASES[name], emulated) <= CASES[name].atol
+    assert {k: counts.get(k) for k in DIRECT[name]} == DIRECT[name]
+    assert not any(k.startswith(("lm_head_loss_grad", "cast_")) for k in counts), counts
+
+
+def test_a_float32_operand_read_unrounded_fails_the_case(emulated: EmulatedDevice,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float32-output matmul cases see whether the kernel rounds on load: the float32 kernel in its place
+    (the same parameters, no rounding) is off by more than the case allows."""
+    case = CASES["matmul_bf16_fff-NN"]
+    launch = emulated.launch
+    monkeypatch.setattr(emulated, "launch", lambda name, *a: launch(
+        "matmul_f32" if name == "matmul_bf16_fff" else name, *a))
+    assert run_case(case, emulated) > 100 * case.atol
 
 
 def test_a_barrier_not_every_thread_reaches_is_reported(tmp_path: Path,

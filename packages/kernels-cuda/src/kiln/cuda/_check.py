@@ -25,7 +25,9 @@ class Case:
     """One kernel run: ``build`` makes the inputs and attributes. By default the op's kernel in ``KERNELS``
     runs against the op's NumPy kernel; ``launch`` and ``reference`` replace them (for kernels outside the
     kernel table), ``bf16`` marks float inputs rounded to bfloat16 on the device (the reference computes on
-    the rounded values), and ``gpu_only`` a case of tensor-core kernels the emulator cannot run."""
+    the rounded values), and ``gpu_only`` a case of tensor-core kernels the emulator cannot run. In a bf16
+    case, ``fp32_inputs`` stay float32 (the reference sees them as they are) and ``rounded_on_load`` reach
+    the kernel as float32 that it rounds to bf16 as it loads them (the reference sees them rounded)."""
 
     id: str
     op: str
@@ -38,6 +40,7 @@ class Case:
     fp32_inputs: frozenset[int] = frozenset()
     #: a bf16 case whose first output is float32 (a bf16-input matmul), not bf16
     fp32_out: bool = False
+    rounded_on_load: frozenset[int] = frozenset()
 
 
 def _n(rng: np.random.Generator, *shape: int, s: float = 1.0) -> np.ndarray:
@@ -767,7 +770,8 @@ CASES |= {case.id: case for case in _coverage_cases()}
 def _fused_head_cases() -> Iterator[Case]:
     """The LM head's fused training pass (``kiln.cuda._ops.FUSIONS``, outside the kernel table) against the
     NumPy backend's fused pass in float64, and under the bf16 recipe against NumPy's bf16 kernels of the two
-    steps it replaces; 37 rows, a vocabulary of 301, ignored rows."""
+    steps it replaces; 37 rows, a vocabulary of 301, ignored rows; and tiled over the vocabulary, the plan
+    forced (ragged row blocks and chunks, targets on the chunks' edges)."""
     from kiln.core.plugins import get_registry
     from kiln.cuda import _ops
 
@@ -776,9 +780,17 @@ def _fused_head_cases() -> Iterator[Case]:
     head_bf16 = table.find("fused_lm_head_loss", "numpy", "bfloat16").fn
     head_backward_bf16 = table.find("fused_lm_head_loss_backward", "numpy", "bfloat16").fn
 
-    def launch(fn: Callable[..., None]) -> Callable[..., None]:
+    def launch(fn: Callable[..., None], plan: tuple[int, int] | None = None) -> Callable[..., None]:
+        """``fn`` on the case's outputs; with ``plan``, in blocks of ``plan[0]`` rows and vocabulary chunks
+        of ``plan[1]`` words, whatever the roofline would pick (its plan replaced for the call)."""
         def run(d_loss: Any, x: Any, w: Any, t: Any, *, out: Any, **a: Any) -> None:
-            fn(d_loss, x, w, t, loss=out[0], lse=out[1], d_x=out[2], d_weight=out[3], **a)
+            picked = _ops._head_plan
+            if plan is not None:
+                _ops._head_plan = lambda n, v, c, matmul: plan
+            try:
+                fn(d_loss, x, w, t, loss=out[0], lse=out[1], d_x=out[2], d_weight=out[3], **a)
+            finally:
+                _ops._head_plan = picked
 
         return run
 
@@ -805,8 +817,89 @@ def _fused_head_cases() -> Iterator[Case]:
     yield Case(f"{name}-bf16", name, build, 2.5e-4, launch(_ops.fused_lm_head_loss_and_grad_bf16),
                two_steps_bf16, True, fp32_inputs=frozenset({0}), fp32_out=True)
 
+    def head(n: int, v: int, chunk: int, ignore: int, s: float = 1.0) -> Build:
+        def build(r: np.random.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            t = r.integers(0, v, n).astype(np.int32)
+            t[::4] = ignore  # ignored rows: no loss, no gradient
+            t[1], t[2], t[3] = chunk - 1, chunk, v - 1  # on the chunks' edges, and in the ragged last chunk
+            return (_n(r, n, s=s), _n(r, n, 24), _n(r, v, 24, s=0.5), t), {"ignore_index": ignore}
+
+        return build
+
+    # tiled over the vocabulary too (two passes): 13 rows in blocks of 5 (the last of 3), 150 words in
+    # chunks of 64 (the last of 22); one block of 13 rows, chunks of 40 (the last of 30)
+    tiled = f"{name}-vocab-tiled"
+    yield Case(tiled, name, head(13, 150, 64, -100), 2e-5, launch(_ops.fused_lm_head_loss_and_grad, (5, 64)),
+               reference)
+    yield Case(f"{tiled}-ignore7", name, head(13, 150, 40, 7), 2e-5,
+               launch(_ops.fused_lm_head_loss_and_grad, (13, 40)), reference)
+    # under the bf16 recipe: 21 rows in blocks of 8, 53 words in chunks of 16. The log-sum-exp sums in
+    # another order than NumPy's (and a GPU's GEMMs too), which can move a bf16 gradient by one step: d_loss
+    # of 0.005 keeps them below 0.125 (0.04 typical), where a step is at most 2^-11
+    yield Case(f"{tiled}-bf16", name, head(21, 53, 16, -100, 0.005), 2 ** -11,
+               launch(_ops.fused_lm_head_loss_and_grad_bf16, (8, 16)), two_steps_bf16, True,
+               fp32_inputs=frozenset({0}), fp32_out=True)
+
 
 CASES |= {case.id: case for case in _fused_head_cases()}
+
+
+def _direct_cases() -> Iterator[Case]:
+    """The bf16 recipe's kernel variants that read their slots as they lie: the SIMT matmuls reading
+    float32 operands rounded on load and writing bf16 (``matmul_bf16_<a><b><out>``, every transpose; on a
+    GPU the same cases run cuBLASLt's bf16 GEMM, a bf16 output as its D type); the tiled bf16 attention
+    reading a float32 ``qkv`` rounded on load and writing a float32 ``d_qkv`` (causal, GQA, a ragged
+    block of rows)."""
+    from kiln.cuda import _ops
+
+    opdef = op_registry().get_op("matmul")
+
+    def matmul_reference(*inputs: Any, **given: Any) -> Any:
+        defaults = {a.name: a.default for a in opdef.attrs if not a.required}
+        return opdef.kernel(*inputs, **{**defaults, **given})
+
+    for types in ("hhh", "hff", "hfh", "fhf", "fhh", "fff", "ffh"):
+        for t in ("NN", "NT", "TN", "TT"):
+            def mm(r: np.random.Generator, t: str = t) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                a = _n(r, 37, 50, s=0.1) if t[0] == "N" else _n(r, 50, 37, s=0.1)
+                b = _n(r, 50, 45, s=0.1) if t[1] == "N" else _n(r, 45, 50, s=0.1)
+                return (a, b), {"transpose": t, "alpha": 0.5}
+
+            # outputs of 0.035 typical, below 0.5 (14 of those): a bf16 one within half a step of 2^-9 (1e-3);
+            # a float32 one within float32 summation order of the float64 product of the rounded operands
+            # (a float32 operand read unrounded is off by about 3e-4)
+            yield Case(f"matmul_bf16_{types}-{t}", "matmul", mm, 1e-3 if types[2] == "h" else 1e-6,
+                       _ops.matmul_lowp, matmul_reference, True, fp32_out=types[2] == "f",
+                       rounded_on_load=frozenset(i for i in (0, 1) if types[i] == "f"))
+
+    def qkv(r: np.random.Generator, b: int, t: int, a: dict[str, Any]) -> np.ndarray:
+        return _n(r, b, t, (a["Hq"] + 2 * a["Hkv"]) * a["D"])
+
+    gqa = {"Hq": 2, "Hkv": 1, "D": 24}  # two query heads per KV head; 21 rows: one ragged block of 64
+    for tc in (False, True):
+        variant = "tc" if tc else "twin"
+
+        def build(r: np.random.Generator, tc: bool = tc) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (qkv(r, 1, 21, gqa), None), {**gqa, "tensor_cores": tc}
+
+        # flash_attention_<variant>64_bf16_f: the kernel reads the float32 qkv and rounds it
+        yield Case(f"flash_attention_{variant}-f32-qkv-causal-gqa", "flash_attention", build, 1.5e-2,
+                   _ops._flash_mma, _packed_attention, True, tc, rounded_on_load=frozenset({0}))
+        for qkv_type in ("f32", "bf16"):
+            def build_bwd(r: np.random.Generator, tc: bool = tc) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                x = qkv(r, 1, 21, gqa)
+                o, lse = _packed_attention(_bf16(x).astype(np.float64), None, **gqa)
+                return ((_n(r, *o.shape), x, _bf16(o.astype(np.float32)), lse.astype(np.float32),
+                         _n(r, *lse.shape), None), {**gqa, "tensor_cores": tc})
+
+            # ..._bf16_ff (a float32 qkv rounded on load) and _bf16_hf (a bf16 one): d_qkv float32
+            yield Case(f"flash_attention_backward_{variant}-{qkv_type}-qkv-f32-grad-causal-gqa",
+                       "flash_attention_backward", build_bwd, 3e-2, _ops._flash_mma_backward,
+                       _packed_attention_backward, True, tc, frozenset({3, 4}), fp32_out=True,
+                       rounded_on_load=frozenset({1}) if qkv_type == "f32" else frozenset())
+
+
+CASES |= {case.id: case for case in _direct_cases()}
 
 _UPDATES = ("adamw_update", "sgd_update")
 
@@ -825,14 +918,16 @@ def _to_host(a: DeviceArray) -> np.ndarray:
 
 def _run_bf16(case: Case, device: Any, inputs: tuple[Any, ...], given: dict[str, Any]) -> float:
     """A case of kernels outside the kernel table on bf16 tensors: float inputs rounded to bf16 (those in
-    ``case.fp32_inputs`` stay float32), the first output bf16 and the others float32."""
+    ``case.fp32_inputs`` stay float32; those in ``case.rounded_on_load`` go to the device as float32, and to
+    the reference rounded), the first output bf16 and the others float32."""
     import ml_dtypes
 
     assert case.launch is not None and case.reference is not None
     bf16 = [_is_float(a) and i not in case.fp32_inputs for i, a in enumerate(inputs)]
     rounded = [_bf16(a) if low else a for a, low in zip(inputs, bf16, strict=True)]
-    dev_in = [_to_device(device, a.astype(ml_dtypes.bfloat16) if low else a)
-              for a, low in zip(rounded, bf16, strict=True)]
+    dev_in = [_to_device(device, a if i in case.rounded_on_load else
+                         r.astype(ml_dtypes.bfloat16) if low else r)
+              for i, (a, r, low) in enumerate(zip(inputs, rounded, bf16, strict=True))]
     try:
         ref = case.reference(*[_f64(a) for a in rounded],
                              **{k: v for k, v in given.items() if k != "tensor_cores"})
