@@ -1482,14 +1482,15 @@ def _qkv_norm_rope_bf16in(qkv: DeviceArray, q_norm_weight: DeviceArray | None,
                           attrs: Mapping[str, Any]) -> None:
     """:func:`qkv_qk_norm_rope_bf16` on a bf16 ``qkv``: norm, rounding point and rope in one kernel that reads
     the bf16 heads directly: no widened copy, no normalised-heads buffer. A bf16 ``out`` slot is written as
-    bf16 (``qkv_norm_rope_rp_bf16io``, the rstds too), a float32 one as float32 (``..._bf16in``)."""
+    bf16 (``qkv_norm_rope_rp_bf16io``), a float32 one as float32 (``..._bf16in``); the rstds, float32
+    statistics, as float32 either way."""
     hq, hkv, d = attrs["Hq"], attrs["Hkv"], attrs["D"]
     rd, batched = _rope_geometry(qkv, position_ids, d, attrs.get("rotary_dim"), "qkv_qk_norm_rope")
     io = out[0] is not None and out[0].dtype == "bfloat16"
     dt = "bfloat16" if io else "float32"
     with Scratch(qkv.device) as s:
         ws = [as_dtype(s, w, "float32") for w in (q_norm_weight, k_norm_weight, freqs)]
-        ys, store = _bf16_outputs(s, out, (dt, dt, dt))
+        ys, store = _bf16_outputs(s, out, (dt, "float32", "float32"))
         o = s.out(ys[0], qkv.shape, dt)
         if b and t:  # (a null rstd is not written)
             qkv.device.launch("qkv_norm_rope_rp_bf16io" if io else "qkv_norm_rope_rp_bf16in",

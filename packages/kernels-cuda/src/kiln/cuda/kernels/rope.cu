@@ -58,7 +58,7 @@ extern "C" __global__ void rope_freqs_f32(const float* inv_freq, float* out, lon
 // the input dtype before the fp32 weight), rstd = 1 / sqrt(mean(x^2) + eps) stored; rope then rotates u in
 // fp32 as qkv_norm_rope_f32 rotates it. Heads without a weight keep u = x (rstd 1), v heads are copied. Lane
 // l holds dims l, l + 32, ... and computes its partners' u itself, so out is never qkv's storage. TO is the
-// element type of out and the rstds. Grid (Hq + 2 Hkv, T, B), 32 threads.
+// element type of out; the rstds are float32 statistics (never rounded). Grid (Hq + 2 Hkv, T, B), 32 threads.
 __device__ __forceinline__ float qk_normed(const bf16* x, const float* w, int d, float r) {
     float v = load_f32(x, d);
     return w ? round_bf16(v * r) * w[d] : v;
@@ -66,7 +66,7 @@ __device__ __forceinline__ float qk_normed(const bf16* x, const float* w, int d,
 
 template <typename TO>
 __device__ void qkv_norm_rope_rp(const bf16* qkv, const float* q_weight, const float* k_weight, const float* freqs,
-                                 const int* position_ids, TO* out, TO* q_rstd, TO* k_rstd, int T, int Hq, int Hkv,
+                                 const int* position_ids, TO* out, float* q_rstd, float* k_rstd, int T, int Hq, int Hkv,
                                  int D, int rotary_dim, int pos_batched, float eps, float theta, int interleaved) {
     int hd = blockIdx.x, t = blockIdx.y, half = rotary_dim / 2;
     long long b = blockIdx.z, F = (long long)(Hq + 2 * Hkv) * D;
@@ -98,8 +98,8 @@ __device__ void qkv_norm_rope_rp(const bf16* qkv, const float* q_weight, const f
         }
     }
     if (threadIdx.x == 0) {
-        if (hd < Hq && q_rstd) store_f32(q_rstd, (b * T + t) * Hq + hd, r);
-        if (hd >= Hq && k_rstd) store_f32(k_rstd, (b * T + t) * Hkv + hd - Hq, r);
+        if (hd < Hq && q_rstd) q_rstd[(b * T + t) * Hq + hd] = r;
+        if (hd >= Hq && k_rstd) k_rstd[(b * T + t) * Hkv + hd - Hq] = r;
     }
 }
 
@@ -113,10 +113,10 @@ extern "C" __global__ void qkv_norm_rope_rp_bf16in(const bf16* qkv, const float*
                      pos_batched, eps, theta, interleaved);
 }
 
-// bf16 out and rstds, each rounded to nearest even as it is stored
+// bf16 out, rounded to nearest even as it is stored; float32 rstds
 extern "C" __global__ void qkv_norm_rope_rp_bf16io(const bf16* qkv, const float* q_weight, const float* k_weight,
                                                    const float* freqs, const int* position_ids, bf16* out,
-                                                   bf16* q_rstd, bf16* k_rstd, int T, int Hq, int Hkv, int D,
+                                                   float* q_rstd, float* k_rstd, int T, int Hq, int Hkv, int D,
                                                    int rotary_dim, int pos_batched, float eps, float theta,
                                                    int interleaved) {
     qkv_norm_rope_rp(qkv, q_weight, k_weight, freqs, position_ids, out, q_rstd, k_rstd, T, Hq, Hkv, D, rotary_dim,
