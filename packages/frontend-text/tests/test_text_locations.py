@@ -75,3 +75,25 @@ def test_a_parameter_dimension_kiln_dsl_rejects_is_at_the_parameter() -> None:
         load_program("m.kiln", text).bundle("M")
     assert info.value.code == "E002" and "'v'" in info.value.message
     assert (info.value.line, info.value.column) == _place(text, "w: [v, d]")
+
+
+def test_an_output_whose_shape_differs_from_its_declaration_is_e004_at_the_forward_section() -> None:
+    """kiln-dsl checks a forward's outputs against their declared types in the method the lowerer
+    generates; the error points at the model's forward section (it pointed at kiln's lowerer)."""
+    text = """model M(d: int = 8, v: int = 16):
+  params:
+    w: [v, d]
+  forward:
+    inputs:
+      token_ids: [T, int32]
+    outputs:
+      y: [B, T, d]
+    graph:
+      token_ids -> embedding(w) -> e
+      e -> silu() -> y
+"""
+    with pytest.raises(KilnError) as info:
+        load_program("m.kiln", text).bundle("M", None)
+    err = info.value
+    assert err.code == "E004" and "annotated [B, T, d]" in err.message, err
+    assert err.location is not None and err.location.startswith(f"m.kiln:{_place(text, 'forward:')[0]}"), err

@@ -233,9 +233,13 @@ class Gradient(Activation):
 # --- method decorators ---------------------------------------------------------------------------
 
 
-def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark the method that builds the forward graph with ``with graph() as g: ...``."""
+def forward(fn: Callable[..., Any], location: str | None = None) -> Callable[..., Any]:
+    """Mark the method that builds the forward graph with ``with graph() as g: ...``. Another frontend
+    that generates the method gives the ``file:line`` of its declaration as ``location``: diagnostics
+    about the forward's signature and outputs point there, not at the generated function."""
     fn.__kiln_forward__ = True  # type: ignore[attr-defined]
+    if location is not None:
+        fn.__kiln_location__ = location  # type: ignore[attr-defined]
     return fn
 
 

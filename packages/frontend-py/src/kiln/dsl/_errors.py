@@ -91,8 +91,12 @@ def class_location(cls: type, needle: str | None = None) -> str | None:
 
 
 def function_location(fn: Callable[..., Any]) -> str | None:
-    """``file:line`` of a function's ``def`` line (after its decorators)."""
+    """``file:line`` of a function's ``def`` line (after its decorators), or the location another
+    frontend gave the function it generated (``forward(fn, location=...)``)."""
     fn = inspect.unwrap(fn)
+    given = getattr(fn, "__kiln_location__", None)
+    if isinstance(given, str):
+        return given
     src = _source(fn)
     if src is None:
         return None

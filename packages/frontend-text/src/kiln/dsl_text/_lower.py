@@ -1123,7 +1123,7 @@ class _Lowering:
         forward.__qualname__ = f"{self.decl.name}.forward"
         from kiln.dsl import forward as mark
 
-        return mark(forward)
+        return mark(forward, location=self.src.loc(section))  # kiln-dsl's diagnostics point at the text
 
     def io_type(self, t: Any, is_input: bool = False) -> Any:
         """A forward input or output type; a model's inputs are token ids, positions, segments and
