@@ -23,7 +23,7 @@ from kiln_core_tiny import random_batch
 from kiln.core import SGD, KilnError, Model, op_registry
 from kiln.core.ir import Annotation, Bundle, Graph, Module, Op, ParamSpec, TensorDecl
 from kiln.core.ops import OpDef
-from kiln.core.plan import _precision
+from kiln.core.plan import _precision, _program
 from kiln.core.plan._precision import Override, precision_recipe, rounded_reads
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes (kiln-core[bf16])")
@@ -224,6 +224,45 @@ def test_a_bf16_head_writes_a_float32_loss(monkeypatch: pytest.MonkeyPatch) -> N
     assert old.tensors["loss"].dtype == "bfloat16"
 
 
+# --- a gradient's type is its tensor's: the head's d_y is float32 holding bf16 values ---------------
+
+
+def untyped_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule before gradients took their tensor's type: a gradient holding bf16 values counted bf16."""
+    monkeypatch.setattr(_program, "_float32_reads", lambda *args: frozenset())
+
+
+def test_the_gradient_of_a_float32_tensor_is_float32_though_its_values_are_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head computes in bf16, so its gradient of ``y`` holds bf16 values; ``y`` is float32 (the
+    residual add of float32 ``x`` and ``o``), and torch's autograd casts a gradient to its tensor's dtype:
+    ``d_y`` is a float32 tensor, and the output projection's ``d_wo = d_y^T att`` (float32 ``d_y``, bf16
+    ``att``) a float32 product, as torch's. kiln reads a gradient typed as its tensor in a ``promote``
+    step: ``d_wo`` is float32, the float64 product of the tensors kiln saved to float32 rounding. The
+    rule before (``d_y`` counted bf16 as its values are) rounded ``d_wo`` to bf16."""
+    batch = random_batch(V, 2, 12, seed=6)
+
+    def run() -> tuple[Model, dict[str, np.ndarray]]:
+        model = Model.from_ir(attention_lm(bf16_compute("att", "loss")), seed=2)
+        return model, model.loss_and_grads(batch["input_ids"], batch["labels"])[1]
+
+    model, grads = run()
+    prog = model.program(2, 12)
+    d_y = next(st.outputs[0] for st in prog.steps if st.op.type == "fused_lm_head_loss_backward")
+    assert d_y in prog.rounded and "att_flat" in prog.rounded  # both hold bf16 values
+    assert "d_wo" not in prog.rounded
+    model.feed(batch)
+    model.run(["forward", "backward"])
+    want = model.read(d_y).astype(np.float64).T @ model.read("att_flat").astype(np.float64)
+    assert is_bf16(model.read(d_y)).all()
+    scale = np.abs(want).max()
+    assert np.abs(grads["wo"] - want).max() < 4 * 2.0 ** -24 * 24 * scale  # float32 sums of 24 products
+    assert not is_bf16(grads["wo"]).all()
+    untyped_gradients(monkeypatch)
+    old, old_grads = run()
+    assert "d_wo" in old.program(2, 12).rounded and is_bf16(old_grads["wo"]).all()
+
+
 # --- against torch: autocast around SDPA and around the head (``nox -s parity``) --------------------
 
 
@@ -282,13 +321,12 @@ def test_bf16_attention_and_head_train_as_torch_autocast(seed: int, monkeypatch:
     with autocast around SDPA and around the head: kiln reads the float32 lse in the attention
     backward and keeps the head's loss float32, as torch does.
 
-    Measured (seeds 0-2): the first loss agrees to 1.3e-7 (float32 sums); after it, training moves a
-    value across a bf16 rounding boundary now and then, and kiln's ``d_wo`` is a bf16 product where
-    torch's is fp32 (the head's ``d_y`` holds bf16 values in an fp32 tensor in torch, a bf16 one in
-    kiln, so the promote rule rounds ``d_y^T att``; 5e-4 of ``wo``'s scale after one step), so the three
-    losses agree to 7e-4 and the weights to 4.5e-3 of their scale. The old rule (lse and the loss
-    rounded to bf16) is off from the first loss (2.6e-5 to 5.8e-4: bf16 per-token losses) and trains
-    6x to 15x further away: losses 1.4e-3 to 1.5e-2, weights 9.7e-3 to 3.7e-2."""
+    Measured (seeds 0-2): the three losses agree to 1.5e-7 (float32 sums) and the weights to 2.2e-7 of
+    their scale (6.4e-5 for seed 1, where training moves a value across a bf16 rounding boundary). With
+    gradients typed by their values (the head's ``d_y`` counted bf16, so ``d_wo = d_y^T att`` rounded to
+    bf16 where torch's is a float32 product) the losses were 4.4e-4 to 7.1e-4 apart and the weights
+    1.1e-3 to 4.5e-3. The old statistics rule (lse and the loss rounded to bf16) is off from the first
+    loss (2.6e-5 to 5.8e-4: bf16 per-token losses) and trains further still: weights 9.7e-3 to 3.7e-2."""
     rng = np.random.default_rng(seed)
     shapes = Model.from_ir(attention_lm(), seed=0).parameters()
     params = {k: (np.ones_like(v) if k == "norm" else rng.normal(0, 0.5, v.shape)).astype(np.float32)
@@ -297,7 +335,93 @@ def test_bf16_attention_and_head_train_as_torch_autocast(seed: int, monkeypatch:
     lr = 0.2
     want = torch_train(params, batches, lr)
     first, losses, weights = gaps(kiln_train(params, batches, lr), want)
+    assert first < 1e-6 and losses < 1e-6 and weights < 3e-4
+    with monkeypatch.context() as m:
+        untyped_gradients(m)
+        _, untyped_losses, untyped_weights = gaps(kiln_train(params, batches, lr), want)
+    assert untyped_losses > 1e-4 and untyped_weights > 3 * weights
     old_rule(monkeypatch)
     old_first, _, old_weights = gaps(kiln_train(params, batches, lr), want)
-    assert first < 1e-6 and losses < 2e-3 and weights < 1e-2
     assert old_first > max(10 * first, 1e-5) and old_weights > 3 * weights
+
+
+# --- the other ops' float32 statistics: the MoE routing statistics and aux loss, Mamba's scan state ---
+
+
+def test_the_moe_and_mamba_ops_declare_their_float32_statistics() -> None:
+    """torch keeps them float32: transformers' load-balancing loss takes a float32 softmax and
+    ``expert_mask.float()`` means, and mamba's ``selective_scan_ref`` carries its state in float32 (it
+    starts as ``A.new_zeros``, A float32). A bf16 step reads them as stored and never writes them bf16."""
+    router_bwd = OPS.get_op("moe_router_backward")  # (d_weights?, d_aux_loss?, x, gate, indices)
+    assert rounded_reads(router_bwd, 5, lower=True) == (True, False, True, True, True)
+    aux_bwd = OPS.get_op("moe_aux_loss_backward")  # (d_loss_out?, d_aux_loss?, targets, load)
+    assert rounded_reads(aux_bwd, 4, lower=True) == (False, False, True, False)
+    aux = OPS.get_op("moe_aux_loss")  # (loss, targets, load, mean_probs) -> (loss_out, aux_loss)
+    assert rounded_reads(aux, 4, lower=True) == (False, True, False, False)
+    scan_bwd = OPS.get_op("mamba_selective_scan_backward")  # d_out?, u .., ssm_state?, d_last_state?
+    assert rounded_reads(scan_bwd, 11, lower=True) == (True,) * 9 + (False, False)
+    assert rounded_reads(OPS.get_op("mamba_selective_scan"), 9, lower=True) == (True,) * 8 + (False,)
+    bf16 = precision_recipe("bf16")
+    compute = Override(compute="bf16", where="out")
+    # every float input bf16 (promote would round every output): the statistics stay float32
+    load_stats = OPS.get_op("moe_load_stats")
+    assert bf16.rounded_outputs(load_stats, [True, None, None], [True, True]) == (False, False)
+    assert bf16.rounded_outputs(aux, [True, None, True, True], [True, True], compute) == (False, False)
+    assert bf16.rounded_outputs(OPS.get_op("moe_load_stats_backward"), [True, True, None], [True]) == (True,)
+    assert bf16.rounded_outputs(aux_bwd, [True, True, None, True], [True]) == (False,)
+    scan = OPS.get_op("mamba_selective_scan")  # every input bf16 under an fp32 recipe's bf16 override
+    bf16_on_fp32 = attrs.evolve(precision_recipe("fp32"), low="bfloat16")
+    assert bf16_on_fp32.rounded_outputs(scan, [True] * 9, [True, True]) == (True, False)
+    assert bf16_on_fp32.rounded_outputs(scan_bwd, [True] * 11, [True] * 9) == (True,) * 8 + (False,)
+
+
+def moe_aux_lm() -> Bundle:
+    """Embedding -> router logits (a matmul) -> moe_softmax -> top-2 -> moe_load_stats -> the LM loss
+    (cross_entropy over the router logits, as a stand-in) plus the load-balancing loss (moe_aux_loss)."""
+    e = 4
+    init = {"kind": "normal", "std": 0.5}
+    model = Module(
+        "MoeAux", kind="model", config={"V": e, "C": C, "E": e},
+        params=[ParamSpec("embedding", ["V", "C"], "fp32", init=init),
+                ParamSpec("gate", ["E", "C"], "fp32", init=init)],
+        forward=Graph(
+            "MoeAux",
+            inputs=[TensorDecl("token_ids", ["B", "T"], "int32"), TensorDecl("targets", ["B", "T"], "int32")],
+            params=[TensorDecl("embedding", ["V", "C"], "fp32"), TensorDecl("gate", ["E", "C"], "fp32")],
+            ops=[Op("embedding", ["token_ids", "embedding"], ["x3"]),
+                 Op("view", ["x3"], ["x"], {"shape": ["B * T", "C"]}),
+                 Op("matmul", ["x", "gate"], ["logits"], {"transpose": "NT"}),
+                 Op("moe_softmax", ["logits"], ["probs"]),
+                 Op("moe_topk", ["probs"], ["weights", "indices"], {"k": 2, "normalize": True}),
+                 Op("moe_load_stats", ["probs", "indices"], ["load", "mean_probs"]),
+                 Op("view", ["targets"], ["t"], {"shape": ["B * T"]}),
+                 Op("cross_entropy", ["logits", "t"], ["ce", "ce_lse"]),
+                 Op("moe_aux_loss", ["ce", "t", "load", "mean_probs"], ["loss", "aux_loss"],
+                    {"coef": 0.25, "num_layers": 1})],
+            outputs=[TensorDecl("loss", ["B * T"], "fp32")]))
+    return Bundle([model], entry="MoeAux")
+
+
+def test_the_moe_routing_statistics_stay_float32_under_the_bf16_recipe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``bf16`` the router's logits and probabilities are bf16 (a matmul; moe_softmax promotes),
+    but the routing statistics moe_load_stats writes from them are float32 means (the old rule rounded
+    them: promote, every float input bf16), and so is the load-balancing loss over them: equal to a
+    float64 oracle over the bf16 probabilities to float32 rounding, not one bf16 step away."""
+    batch = random_batch(4, 2, 12, seed=7)
+    model = Model.from_ir(moe_aux_lm(), seed=1, precision="bf16")
+    prog = model.program(2, 12)
+    assert prog.tensors["probs"].dtype == "bfloat16"
+    assert {prog.tensors[k].dtype for k in ("load", "mean_probs", "aux_loss", "loss")} == {"float32"}
+    model.feed(batch)
+    model.run(["forward"])
+    probs = model.read("probs").astype(np.float64)
+    mean_probs, aux = model.read("mean_probs").astype(np.float64), float(model.read("aux_loss"))
+    want = probs.mean(0)
+    np.testing.assert_allclose(mean_probs, want, rtol=4 * 2.0 ** -24)
+    assert not is_bf16(mean_probs).all()
+    load = model.read("load").astype(np.float64)
+    assert abs(aux - 4 * float((load * want).sum())) <= 8 * 2.0 ** -24 * aux
+    old_rule(monkeypatch)
+    old = Model.from_ir(moe_aux_lm(), seed=1, precision="bf16").program(2, 12)
+    assert old.tensors["load"].dtype == old.tensors["mean_probs"].dtype == "bfloat16"

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from kiln.core import Model, PluginSession, compile
+from kiln.core.ir import Annotation, Bundle, Graph, Module, Op, ParamSpec, TensorDecl
+from kiln.core.plan import _precision
 from kiln.cuda import EmulatedCuda, EmulatedDevice, _device
 
 pytest.importorskip("ml_dtypes", reason="the bf16 recipe needs ml_dtypes")
@@ -116,6 +118,67 @@ def test_precision_override_on_emulated_cuda_equals_numpy(case: str, emulated_mo
     away from the unannotated model. The ``@dtype``-only case keeps bf16 compute and checks that cuda
     leaves ``h`` unrounded where the Program says so."""
     _check(case, emulated_models, EMULATOR, exact=True)
+
+
+def attention_lm(annotations: list[Annotation]) -> Bundle:
+    """embedding -> rmsnorm -> qkv projection -> flash attention -> output projection -> residual add ->
+    LM-head loss (kiln-core's ``test_precision_statistics.py`` model), ``annotations`` on its tensors."""
+    n, qkv, init = ["B * T"], "(HQ + 2 * HKV) * D", {"kind": "normal", "std": 0.5}
+    shapes = {"embedding": ["V", "C"], "norm": ["C"], "wqkv": [qkv, "C"], "wo": ["C", "HQ * D"],
+              "head": ["V", "C"]}
+    return Bundle([Module(
+        "AttnLM", kind="model", config={"V": 40, "C": 16, "HQ": 2, "HKV": 2, "D": 8},
+        params=[ParamSpec(k, s, "fp32", init={"kind": "ones"} if k == "norm" else init)
+                for k, s in shapes.items()],
+        forward=Graph(
+            "AttnLM",
+            inputs=[TensorDecl("token_ids", ["B", "T"], "int32"), TensorDecl("targets", ["B", "T"], "int32")],
+            params=[TensorDecl(k, s, "fp32") for k, s in shapes.items()],
+            ops=[Op("embedding", ["token_ids", "embedding"], ["x3"]),
+                 Op("view", ["x3"], ["x"], {"shape": [*n, "C"]}),
+                 Op("rmsnorm", ["x", "norm"], ["h", "rstd"], {"eps": 1e-6}),
+                 Op("matmul", ["h", "wqkv"], ["qkv_flat"], {"transpose": "NT"}),
+                 Op("view", ["qkv_flat"], ["qkv"], {"shape": ["B", "T", qkv]}),
+                 Op("flash_attention", ["qkv"], ["att", "lse"],
+                    {"Hq": "HQ", "Hkv": "HKV", "D": "D", "causal": True}),
+                 Op("view", ["att"], ["att_flat"], {"shape": [*n, "HQ * D"]}),
+                 Op("matmul", ["att_flat", "wo"], ["o"], {"transpose": "NT"}),
+                 Op("add", ["x", "o"], ["y"]),
+                 Op("view", ["targets"], ["t"], {"shape": n}),
+                 Op("fused_lm_head_loss", ["y", "head", "t"], ["loss", "head_lse"])],
+            outputs=[TensorDecl("loss", n, "fp32")]),
+        annotations=annotations)], entry="AttnLM")
+
+
+def test_bf16_attention_and_head_under_fp32_on_emulated_cuda_equal_numpy(
+        emulated_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``@precision(compute="bf16")`` on the attention and on the LM head under ``fp32``: kiln.cuda's bf16
+    attention and head kernels read their float32 statistics (lse, the loss cotangent) as NumPy's
+    emulation does (``OpDef.statistics``), so the loss and the head's gradient are NumPy's bits and the
+    rest within fp32 summation order (measured 3e-7 of their scale); the annotations are live
+    (the unannotated model's gradients are 1e-3 and more away). Rounding the statistics (the rule before
+    they were declared) moves NumPy's emulation and not cuda's kernels: the backends part."""
+    ann = [Annotation("precision", "tensor", t, {"compute": "bf16"}) for t in ("att", "loss")]
+    rng = np.random.default_rng(4)
+    ids, labels = rng.integers(0, 40, (2, 12)), rng.integers(0, 40, (2, 12))
+
+    def runs(annotations: list[Annotation]) -> list[tuple[float, dict[str, np.ndarray]]]:
+        models = emulated_models(attention_lm(annotations), "fp32")
+        assert all(m.program(2, 12).computes.get("att") == ("bf16" if annotations else None) for m in models)
+        return [m.loss_and_grads(ids, labels) for m in models]
+
+    def apart(a: tuple[float, dict[str, np.ndarray]], b: tuple[float, dict[str, np.ndarray]]) -> float:
+        return max(float(np.abs(a[1][k] - b[1][k]).max() / np.abs(b[1][k]).max()) for k in b[1])
+
+    (want_loss, want), (loss, have) = runs(ann)
+    assert loss == want_loss
+    assert np.array_equal(have["head"], want["head"])  # the bf16 head kernel's products
+    assert apart((loss, have), (want_loss, want)) <= EMULATOR
+    plain = runs([])
+    assert apart(plain[0], (want_loss, want)) > 1e-3 and apart(plain[1], plain[0]) <= EMULATOR
+    monkeypatch.setattr(_precision, "statistic_flags", lambda opdef, n, outputs=False: (False,) * n)
+    old_numpy, old_cuda = runs(ann)
+    assert apart(old_cuda, old_numpy) > 100 * EMULATOR
 
 
 def test_the_override_reaches_the_cuda_kernels(cache) -> None:

@@ -267,12 +267,12 @@ VOCAB_OPS = [
           doc="d_weight of vocab_parallel_embedding: this rank's rows of the scatter-add."),
     OpDef("vocab_parallel_lm_head_loss", ("x", "weight", "targets"), ("loss", "lse"), _loss, _loss_infer,
           backward=_loss_rule, attrs=_HEAD_ATTRS, samples=_loss_samples, nondiff_inputs={2}, collective=True,
-          logits="vocab_parallel_logits",
+          logits="vocab_parallel_logits", statistics={"loss", "lse"},
           doc="fused_lm_head_loss with the LM head's rows split over the ranks: the row maxima all-gathered, "
               "the sums of exp and the target logits all-reduced; every rank gets the whole loss and lse."),
     OpDef("vocab_parallel_lm_head_loss_backward", ("d_loss?", "x", "weight", "targets", "lse", "d_lse?"),
           ("d_x", "d_weight"), _loss_backward, _loss_backward_infer, attrs=_HEAD_ATTRS, nondiff_inputs={3},
-          samples=_loss_backward_samples,
+          samples=_loss_backward_samples, statistics={"d_loss", "lse", "d_lse"},
           doc="This rank's part of d_x (summed over the ranks by tp_copy) and its rows of d_weight."),
 ]
 

@@ -134,6 +134,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
 
     counts: dict[str, int] = {}
     origin: dict[str, str] = {}  # first output of an op a backward rule emitted -> its forward op's
+    primal: dict[str, set[str]] = {}  # a gradient (or contribution to one) -> the tensors it is that of
     for op in reversed(graph.ops):
         d_outs = [grads.get(o) for o in op.outputs]
         if not any(d_outs):
@@ -173,12 +174,14 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
             if g is None or name not in needs:
                 continue
             counts[name] = counts.get(name, 0) + 1
+            primal.setdefault(g, set()).add(name)
             if name not in grads:
                 grads[name] = g
             elif opts.accumulate_grads:
                 acc = namer(f"{p}{name}:acc")
                 emitted.append(Op("add", (grads[name], g), (acc,), loc=op.loc))
                 grads[name] = acc
+                primal[acc] = {name}
             else:
                 raise AutodiffError(
                     f"tensor {name!r} is used by {counts[name]} ops and accumulate_grads is off",
@@ -201,6 +204,7 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
         if grads[d.name] != p + d.name:
             emitted.append(Op("copy", (grads[d.name],), (p + d.name,)))
             grads[d.name] = p + d.name
+            primal[p + d.name] = {d.name}
     outputs = tuple(TensorDecl(p + d.name, d.shape, d.dtype) for d in leaves)
 
     # Dead-code elimination: keep ops that (transitively) feed a leaf gradient.
@@ -225,10 +229,14 @@ def derive_backward(graph: Graph, options: DeriveBackwardOptions | None = None, 
     # which forward op each kept op derives from: the backward of an op runs in its forward's precision
     origin = {rename.get(o, o): f for o, f in origin.items()}
     derived_from = {op.outputs[0]: origin[op.outputs[0]] for op in kept if op.outputs[0] in origin}
+    # which forward tensors each kept op's output is the gradient of (torch gives it their dtype)
+    primal = {rename.get(g, g): names for g, names in primal.items()}
+    gradient_of = {o: tuple(sorted(primal[o])) for op in kept for o in op.outputs if o in primal}
     backward = Graph(
         f"{graph.name}_backward", inputs=loss_decls, outputs=outputs,
         params=tuple(pdecl[n] for n in used_params), ops=kept,
-        metadata={"forward": graph.name, "grad_prefix": p, "derived_from": derived_from},
+        metadata={"forward": graph.name, "grad_prefix": p, "derived_from": derived_from,
+                  "gradient_of": gradient_of},
     )
     missing = [n for n in refs if n not in saves]
     if missing:

@@ -8,7 +8,10 @@ float inputs rounded to bfloat16, accumulates in fp32 and rounds its first outpu
 ``fp32`` op (norms, softmax, losses) reads its inputs as fp32 and writes fp32; a ``promote`` op (the
 rest: elementwise, activations, views) writes bfloat16 when every float input is bfloat16, else fp32
 (torch's type promotion). The backward's ops follow the same rules, so a weight's gradient from a
-matmul is rounded to bfloat16 before it lands in its fp32 slot, as autocast's ``.grad`` is. Weights
+matmul is rounded to bfloat16 before it lands in its fp32 slot, as autocast's ``.grad`` is. A gradient
+has its tensor's type, as torch's autograd casts it: the gradient of a forward tensor that is not
+bfloat16 counts as fp32 in a ``promote`` step even when its values are bfloat16 (the scheduler's
+``_float32_reads``), so the product of a bf16 op's gradient of an fp32 tensor is fp32, as in torch. Weights
 (the master copy), gradients, optimizer state and the Program's inputs stay fp32. So do an op's
 float32 statistics (``OpDef.statistics``: a log-sum-exp, a norm's rstd, a loss, their cotangents),
 wherever it computes: never rounded on read (:func:`rounded_reads`) nor written as bf16, as torch keeps
@@ -88,7 +91,8 @@ class Precision:
         """Per output of ``opdef``: whether its values are rounded to the low type. ``inputs``: per
         input, None (absent or not float), True (its values are low) or False (fp32); ``outputs``: per
         output, whether it is float. ``override``: the op's ``@precision``/``@dtype`` (its ``output``
-        decides the first output)."""
+        decides the first output). A backward step passes the gradient of a tensor that is not low as
+        False whatever its values (torch gives a gradient its tensor's dtype)."""
         if not self.lowers:
             return tuple(False for _ in outputs)
         out = self._rounded(self.compute_class(opdef, override), inputs, outputs)

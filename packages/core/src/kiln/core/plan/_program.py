@@ -623,9 +623,12 @@ class _Scheduler:
         return self.target.dtype if is_float(ir_dtype) else ir_dtype
 
     def add(self, phase: str, op: Op, ins: Sequence[str], outs: Sequence[str], binds: Mapping[str, int],
-            layer: int | None = None, recompute: bool = False, source: str | None = None) -> None:
+            layer: int | None = None, recompute: bool = False, source: str | None = None,
+            float32_reads: frozenset[int] = frozenset()) -> None:
         """Schedule ``op`` on the keys ``ins`` -> ``outs``; ``source``: the first output of the forward op
-        whose backward rule emitted ``op`` (its ``@precision``/``@dtype`` compute applies)."""
+        whose backward rule emitted ``op`` (its ``@precision``/``@dtype`` compute applies);
+        ``float32_reads``: positions of inputs that are float32 tensors holding bf16 values (the gradient
+        of a float32 forward tensor, :func:`_float32_reads`)."""
         in_types = tuple(self.types[k] if k else None for k in ins)
         override = self.override(op, outs, layer, phase, recompute, source)
         memo = (op, in_types, tuple(sorted(binds.items())), override)  # a block op runs per layer
@@ -657,8 +660,10 @@ class _Scheduler:
             if k:
                 self.types[k] = t
         if self.target.precision.lowers:
-            floats = [None if t is None or not is_float(t[1]) else k in self.low
-                      for k, t in zip(ins, in_types, strict=True)]
+            if self.registry.get_op(op.type).alias:  # a view holds its input's values, as stored
+                float32_reads = frozenset()
+            floats = [None if t is None or not is_float(t[1]) else k in self.low and i not in float32_reads
+                      for i, (k, t) in enumerate(zip(ins, in_types, strict=True))]
             low = self.target.precision.rounded_outputs(self.registry.get_op(op.type), floats,
                                                         [is_float(t[1]) for t in inferred], override)
             typed = {t[1] for t in in_types if t is not None}
@@ -965,7 +970,8 @@ class _Scheduler:
                 self.backward_call(op, ins, benv)
             else:
                 self.add("backward", op, ins, self.own(op.outputs, benv), self.binds,
-                         source=_derived_from(res.backward, op))
+                         source=_derived_from(res.backward, op),
+                         float32_reads=_float32_reads(op, res.backward, graph, env, self.low))
         for name, g in res.grads.items():
             if name in self.trainable:
                 self.pin_grad(name, benv[g])
@@ -1070,7 +1076,8 @@ class _Scheduler:
                 bins = [rc.source(n[6:], {}) if rc is not None and n.startswith("saved.") and n[6:] in moved
                         else self.read(n, e, lenv) for n in bop.inputs]
                 self.add("backward", bop, bins, self.own(bop.outputs, e, pre), call.binds, i,
-                         source=_derived_from(res.backward, bop))
+                         source=_derived_from(res.backward, bop),
+                         float32_reads=_float32_reads(bop, res.backward, g, lenv, self.low))
             for d in g.params:
                 if d.name in grads and lenv[d.name] in self.trainable:
                     self.pin_grad(lenv[d.name], e[grads[d.name]])
@@ -1183,6 +1190,27 @@ def _derived_from(backward: Graph, op: Op) -> str | None:
     records it in its metadata), or None."""
     found = backward.metadata.get("derived_from", {}).get(op.outputs[0]) if op.outputs else None
     return None if found is None else str(found)
+
+
+def _float32_reads(op: Op, backward: Graph, forward: Graph, keys: Mapping[str, str],
+                   low: set[str]) -> frozenset[int]:
+    """Positions of the inputs of backward ``op`` that are float32 tensors under the precision recipe's
+    type promotion although their values may be bf16: the gradient of a forward tensor that is not bf16
+    (``keys``: forward name -> key; ``low``: the keys holding bf16). torch's autograd gives a gradient its
+    tensor's dtype (a bf16 op's gradient reaching a float32 tensor is cast back to float32), so a
+    ``promote`` op reading it writes float32. A gradient shared by several tensors (an add's passes it
+    on to both operands) is typed as the output of the forward op ``op`` derives from, when it is one."""
+    primal = backward.metadata.get("gradient_of", {})
+    source = _derived_from(backward, op)
+    outputs = next((set(f.outputs) for f in forward.ops if source and f.outputs and f.outputs[0] == source),
+                   set())
+    found = set()
+    for i, name in enumerate(op.inputs):
+        of = set(primal.get(name, ()))
+        of = (of & outputs) or of
+        if of and any(n in keys and keys[n] not in low for n in of):
+            found.add(i)
+    return frozenset(found)
 
 
 def _stack(op: Op) -> tuple[str, int]:

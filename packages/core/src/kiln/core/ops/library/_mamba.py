@@ -420,6 +420,7 @@ CORE_OPS = [
         "mamba_selective_scan", _SCAN_INPUTS, ("out", "*last_state"), _scan, _scan_infer,
         backward=_rule("mamba_selective_scan_backward", len(_SCAN_INPUTS), "delta_softplus", 8),
         attrs=_SOFTPLUS + _LAST_STATE, samples=_scan_samples, cost=_scan_cost, autocast="fp32",
+        statistics={"ssm_state", "last_state"},
         doc="Mamba-1's selective scan (selective_scan_ref): u, delta, z [B, D, T], A [D, N], B and C "
             "[B, N, T] or [B, G, N, T], D and delta_bias [D], the initial state ssm_state [B, D, N] "
             "(zeros without it); out [B, D, T] and, with return_last_state=True, last_state [B, D, N].",
@@ -429,6 +430,7 @@ CORE_OPS = [
         ("d_u", "d_delta", "d_A", "d_B", "d_C", "d_D", "d_z", "d_delta_bias", "*d_ssm_state"),
         _scan_backward_kernel, _scan_backward_infer, attrs=_SOFTPLUS, autocast="fp32",
         cost=_scan_backward_cost,
+        statistics={"ssm_state", "d_last_state", "d_ssm_state"},
         doc="Gradients of mamba_selective_scan: replays the scan from its inputs, then runs it in reverse "
             "(d_D, d_z, d_delta_bias are computed whether or not D, z, delta_bias were given; d_ssm_state "
             "only when ssm_state is).",

@@ -230,6 +230,7 @@ CORE_OPS = [
         backward=_router_backward, attrs=(AttrSpec("top_k", "int"), *_ROUTING_ATTRS), samples=_router_samples,
         cost=lambda s, a: Cost(flops=2.0 * s[0][0] * s[0][1] * s[1][0], bytes=_nbytes(s[0], s[1])),
         flop_heavy=True,
+        statistics={"aux_loss"},
         doc="Routing in one op: probs = softmax (or sigmoid) of x @ gate^T [N, E]; (weights, indices) = "
             "moe_topk(probs, top_k, normalize); aux_loss = aux_loss_coef * E * sum_e (assignments to e / N) "
             "* mean_n probs[n, e], transformers' load-balancing loss (fp32 scalar).",
@@ -240,12 +241,14 @@ CORE_OPS = [
         lambda ctx: [TensorType((ctx.shape(2)[0], ctx.shape(3)[0]), ctx.attrs["dtype"])],
         attrs=(*_ROUTING_ATTRS, *_ROUTER_ATTRS),
         cost=lambda s, a: Cost(flops=2.0 * s[2][0] * s[2][1] * s[3][0], bytes=_nbytes(s[2], s[3])),
+        statistics={"d_aux_loss"},
         doc="d_logits [N, E] of moe_router from d_weights and d_aux_loss (either may be absent).",
     ),
     core_op(
         "moe_load_stats", ("probs", "indices", "segment_ids?"), ("load", "mean_probs"), _load_stats,
         _load_stats_infer, backward=_load_stats_backward, samples=_load_stats_samples, nondiff_inputs={1, 2},
         cost=lambda s, a: Cost(flops=2.0 * float(np.prod(s[0])), bytes=_nbytes(*s)),
+        statistics={"load", "mean_probs"},
         doc="One MoE layer's routing statistics [E] (fp32) over the rows that are not padding (segment_ids "
             "!= 0, when given): load = assignments to e / rows (top-k indices [N, K]), mean_probs = mean of "
             "probs[:, e]. The load is piecewise constant (no gradient).",
@@ -254,12 +257,14 @@ CORE_OPS = [
         "moe_load_stats_backward", ("d_mean_probs", "probs", "segment_ids?"), ("d_probs",), _load_stats_bwd,
         lambda ctx: [TensorType(ctx.shape(1), ctx.dtype(1))],
         cost=lambda s, a: Cost(flops=float(np.prod(s[1])), bytes=_nbytes(*s)),
+        statistics={"d_mean_probs"},
         doc="d_probs [N, E] of moe_load_stats: d_mean_probs[e] / rows on every row that counts.",
     ),
     core_op(
         "moe_aux_loss", ("loss", "targets", "load", "mean_probs"), ("loss_out", "aux_loss"), _aux_loss,
         _aux_loss_infer, backward=_aux_loss_backward, samples=_aux_loss_samples, attrs=_AUX_ATTRS,
         nondiff_inputs={1, 2}, cost=lambda s, a: Cost(flops=2.0 * float(np.prod(s[0])), bytes=_nbytes(*s)),
+        statistics={"loss", "load", "mean_probs", "loss_out", "aux_loss"},
         doc="transformers' load-balancing loss of L MoE layers added to a per-token loss [N]: aux_loss = E * "
             "sum_e (load_e / L) * (mean_probs_e / L) (load and mean_probs summed over the layers' "
             "moe_load_stats); loss_out = loss + coef * aux_loss on every token whose target is not "
@@ -269,6 +274,7 @@ CORE_OPS = [
         "moe_aux_loss_backward", ("d_loss_out?", "d_aux_loss?", "targets", "load"), ("d_mean_probs",),
         _aux_loss_bwd, lambda ctx: [TensorType(ctx.shape(3), ctx.dtype(3))], attrs=_AUX_ATTRS,
         cost=lambda s, a: Cost(flops=2.0 * float(np.prod(s[2])), bytes=_nbytes(*s)),
+        statistics={"d_loss_out", "d_aux_loss", "load", "d_mean_probs"},
         doc="d_mean_probs [E] of moe_aux_loss: (coef * sum of d_loss_out over counted tokens + d_aux_loss) "
             "* E * load / L^2.",
     ),
