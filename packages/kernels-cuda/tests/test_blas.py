@@ -141,3 +141,208 @@ def test_the_bf16_recipe_gives_cublaslt_bf16_operands(emulated: EmulatedDevice) 
             assert got.train_step(batch)["loss"] == pytest.approx(ref.train_step(batch)["loss"], abs=1e-3)
     bf16 = CUDA_TYPES["bfloat16"]
     assert device.blas.calls and all(p.types[:2] == (bf16, bf16) for p in device.blas.calls)
+
+
+# --- the bf16 recipe on cuBLASLt: one bf16 copy of each weight per training step, planned in the arena ---
+
+QWEN3 = {"vocab_size": 64, "d_model": 32, "n_layers": 1, "num_query_heads": 4, "num_kv_heads": 2,
+         "head_size": 8, "d_ff": 64, "max_seq": 16}
+#: the float32 weights a Qwen3 layer's bf16 matmuls read (the LM head's and the embedding's are not matmuls)
+LAYER_MATMUL_WEIGHTS = ("blocks.0.qkv_weight", "blocks.0.out_weight", "blocks.0.mlp_up_weight",
+                        "blocks.0.mlp_down_weight")
+LORA = {"passes": [("lora", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                             "init_lora_weights": False})], "mode": "lora"}
+
+
+class CastCounting(EmulatedDevice):
+    """The emulator with cuBLASLt's documented GEMM, recording the source of every float32 -> bf16 cast."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.blas = NumpyBlas()
+        self.cast_from: list[int] = []
+
+    def launch(self, name: str, grid: Any, block: Any, args: Any) -> None:
+        if name == "cast_f32_bf16":
+            self.cast_from.append(int(args[0]))
+        super().launch(name, grid, block, args)
+
+
+def _train(emulated: EmulatedDevice, *, copies: bool = True, blas: bool = True, steps: int = 2,
+           recompute: str = "block", **options: Any) -> tuple[Any, CastCounting, list[dict[str, float]]]:
+    """A tiny Qwen3 trained ``steps`` AdamW steps (recompute ``block``: each weight read by its forward
+    product, the replay and ``d_x``) under the bf16 recipe on the emulator, with cuBLASLt's GEMM when
+    ``blas``; ``copies=False``: the backend plans no weight copies (a copy per product, as before them).
+    Returns the model, its device and the steps' results, each with the device's allocations after it."""
+    pytest.importorskip("ml_dtypes")
+    dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3 model comes from kiln-dsl")
+    from kiln.core import Model, PluginSession
+    from kiln.cuda import EmulatedCuda, _backend
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    device = CastCounting(kernel_dir=emulated.kernel_dir, cache=emulated.cache)
+    if not blas:
+        device.blas = None  # type: ignore[assignment]
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, 64, (2, 8)), "labels": rng.integers(0, 64, (2, 8))}
+    session = PluginSession(autoload=False)
+    session.register(EmulatedCuda(device), "cuda-emulated")
+    if "passes" in options:
+        session.register(pytest.importorskip("kiln.peft._plugin", reason="LoRA comes from kiln-peft"), "peft")
+    with pytest.MonkeyPatch.context() as mp, session.activate():
+        if not copies:
+            mp.setattr(_backend.CudaBackend, "held_bytes", lambda self, program, kernels: {})
+        model = Model.from_ir(dsl.build_bundle(Qwen3Model, QWEN3), seed=0, backend="cuda", precision="bf16",
+                              recompute=recompute, **options)
+        results = [{**model.train_step(batch), "allocs": device.allocs} for _ in range(steps)]
+    return model, device, results
+
+
+@pytest.fixture(scope="module")
+def with_copies(emulated: EmulatedDevice) -> tuple[Any, CastCounting, list[dict[str, float]]]:
+    return _train(emulated)
+
+
+@pytest.fixture(scope="module")
+def per_product(emulated: EmulatedDevice) -> tuple[Any, CastCounting, list[dict[str, float]]]:
+    return _train(emulated, copies=False)
+
+
+def _weight_casts(model: Any, device: CastCounting) -> dict[str, int]:
+    """How many times each weight was cast to bf16 (casts whose source is the weight's arena address)."""
+    program = model.program(2, 8)
+    weights = {sl.name for sl in program.slots if sl.kind == "weight"}
+    at = {model._arena.ptr + t.offset: k for k, t in program.tensors.items() if t.slot in weights}
+    counts: dict[str, int] = {}
+    for ptr in device.cast_from:
+        if ptr in at:
+            counts[at[ptr]] = counts.get(at[ptr], 0) + 1
+    return counts
+
+
+def _matmul_reads(program: Any, weights: Any) -> dict[str, int]:
+    """The products reading each weight: its forward, a recompute replay, d_x (d_W reads activations)."""
+    return {w: sum(st.op.type == "matmul" and w in st.inputs for st in program.steps) for w in weights}
+
+
+def test_each_weight_takes_one_bf16_copy_per_step_with_the_same_bits(with_copies: Any,
+                                                                     per_product: Any) -> None:
+    """On cuBLASLt the bf16 recipe casts each float32 weight its matmuls read once per training step (the
+    forward product, a recompute replay and ``d_x`` read that copy), not once per product; and the losses
+    of two AdamW steps (the second reads the updated weights: a stale copy would change it) and every
+    weight after them are bit for bit those of a copy per product."""
+    (model, device, results), (base, base_device, base_results) = with_copies, per_product
+    reads = _matmul_reads(model.program(2, 8), LAYER_MATMUL_WEIGHTS)
+    assert min(reads.values()) >= 2 and max(reads.values()) == 3
+    # two steps; the LM head's pass casts its weight once per step of its own (one copy for all its tiles)
+    assert _weight_casts(base, base_device) == {**{w: 2 * n for w, n in reads.items()}, "lm_head": 2}
+    assert _weight_casts(model, device) == {w: 2 for w in (*LAYER_MATMUL_WEIGHTS, "lm_head")}  # 1 a step
+    assert [r["loss"] for r in results] == [r["loss"] for r in base_results]
+    assert results[1]["loss"] != results[0]["loss"]  # the second step ran on updated weights
+    for k in (*LAYER_MATMUL_WEIGHTS, "lm_head", "embedding"):
+        np.testing.assert_array_equal(model.read(k), base.read(k))
+
+
+def test_the_weight_copies_are_planned_in_the_arena(with_copies: Any) -> None:
+    """The copies are slots of the Program's arena (kind ``held``), one per weight, live from its first
+    reader to its last, 2 bytes an element: the memory report counts them (its kinds still add up to the
+    peak), the memory table shows them, and a training step allocates nothing beside the arena."""
+    model, _, results = with_copies
+    program = model.program(2, 8)
+    held = {sl.name: sl for sl in program.slots if sl.kind == "held"}
+    assert set(held) == {f"bf16.{w}" for w in LAYER_MATMUL_WEIGHTS}
+    for w in LAYER_MATMUL_WEIGHTS:
+        elements = int(np.prod(program.tensors[w].shape))
+        assert held[f"bf16.{w}"].nbytes == -(-2 * elements // 64) * 64
+        readers = [st.index for st in program.steps if st.op.type == "matmul" and w in st.inputs]
+        assert (held[f"bf16.{w}"].first, held[f"bf16.{w}"].last) == (min(readers), max(readers))
+    report = program.memory_report()
+    assert report["held"] == sum(sl.nbytes for sl in held.values()) > 0
+    assert sum(report[k] for k in ("weights", "gradients", "optimizer_state", "inputs", "outputs",
+                                   "saved_activations", "held", "transient")) == report["peak"]
+    assert "held" in program.memory_table() and "bf16.blocks.0.qkv_weight" in program.memory_table()
+    assert results[1]["allocs"] == results[0]["allocs"]  # the second step allocated nothing
+
+
+def test_the_simt_kernels_plan_no_weight_copies(emulated: EmulatedDevice) -> None:
+    """Without cuBLASLt the SIMT matmul rounds a float32 weight on its load: no copy is planned or made (the
+    LM head's pass keeps its own)."""
+    model, device, _ = _train(emulated, blas=False, steps=1)
+    program = model.program(2, 8)
+    assert not [sl for sl in program.slots if sl.kind == "held"] and program.memory_report()["held"] == 0
+    assert set(_weight_casts(model, device)) <= {"lm_head"}
+
+
+def test_lora_copies_its_frozen_base_weights_once_per_step(emulated: EmulatedDevice) -> None:
+    """LoRA on q_proj and v_proj: the frozen base weights (no gradient of their own) and the adapters'
+    weights are each cast once per step, with the bits of a copy per product (the adapters train)."""
+    model, device, results = _train(emulated, **LORA)
+    base, base_device, base_results = _train(emulated, copies=False, **LORA)
+    program = model.program(2, 8)
+    trained = {p.name for p in program.params if p.trainable}
+    assert trained and all("lora" in k for k in trained)
+    weights = {sl.name for sl in program.slots if sl.kind == "weight"}
+    read = {k for st in program.steps if st.op.type == "matmul" for k in st.inputs if k in weights}
+    assert read & trained and read - trained  # adapters and frozen base weights, both read by matmuls
+    reads = _matmul_reads(program, read)
+    assert max(reads.values()) > 1
+    assert _weight_casts(base, base_device) == {**{w: 2 * n for w, n in reads.items()}, "lm_head": 2}
+    assert _weight_casts(model, device) == {w: 2 for w in read | {"lm_head"}}
+    assert [r["loss"] for r in results] == [r["loss"] for r in base_results]
+    assert results[1]["loss"] != results[0]["loss"]
+    for k in trained:
+        np.testing.assert_array_equal(model.read(k), base.read(k))
+
+
+def test_kiln_plan_device_shows_the_weight_copies(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kiln plan --precision bf16 --device h100`` plans for ``numpy`` (no copies in its memory table) and
+    prints, under the roofline, the bf16 copies the ``cuda`` backend plans on cuBLASLt: the layer
+    weights, 2 bytes an element; the fp32 plan prints none."""
+    pytest.importorskip("ml_dtypes")
+    pytest.importorskip("kiln.dsl", reason="the model is a kiln-dsl one")
+    from kiln.core import compile
+    from kiln.core.cli import load_model, main
+
+    config = ('{"vocab_size": 512, "d_model": 64, "n_layers": 2, "num_query_heads": 4, "num_kv_heads": 2, '
+              '"head_size": 16, "d_ff": 128, "max_seq": 256}')
+    args = ["plan", "Qwen3Model", "--config", config, "--batch", "2", "--seq", "128", "--device", "h100"]
+    assert main([*args, "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    program = compile(load_model("Qwen3Model", config)[0], bindings={"B": 2, "T": 128}, precision="bf16")
+    weights = [w.replace("blocks.0", f"blocks.{i}") for i in range(2) for w in LAYER_MATMUL_WEIGHTS]
+    nbytes = sum(2 * int(np.prod(program.tensors[w].shape)) for w in weights)
+    line = f"bf16 weight copies for cuBLASLt: {len(weights)} weights, {nbytes / 1e6:.2f} MB in the cuda arena"
+    assert line in out, out
+    assert main([*args, "--precision", "fp32"]) == 0
+    assert "bf16 weight copies" not in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_weight_copies_on_a_gpu_give_the_bits_of_a_copy_per_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU with cuBLASLt: the planned copies (``held`` slots) and the same losses, bit for bit, over
+    three AdamW steps as a copy per product (the same GEMM plans on the same bf16 values)."""
+    from kiln.cuda import _backend, _device
+
+    ok, why = _device.device_status()
+    if not ok:
+        pytest.skip(f"needs a CUDA GPU: {why}")
+    pytest.importorskip("ml_dtypes")
+    dsl = pytest.importorskip("kiln.dsl", reason="the Qwen3 model comes from kiln-dsl")
+    from kiln.core import Model
+    from kiln.dsl.stdlib.models import Qwen3Model
+
+    bundle = dsl.build_bundle(Qwen3Model, {**QWEN3, "n_layers": 2, "d_model": 64, "head_size": 16})
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, 64, (2, 8)), "labels": rng.integers(0, 64, (2, 8))}
+    losses = []
+    for copies in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if not copies:
+                mp.setattr(_backend.CudaBackend, "held_bytes", lambda self, program, kernels: {})
+            model = Model.from_ir(bundle, seed=0, backend="cuda", precision="bf16", recompute="block")
+            losses.append([model.train_step(batch)["loss"] for _ in range(3)])
+            if copies and getattr(model.backend.gpu, "blas", None) is None:
+                pytest.skip("nvmath-python (cuBLASLt) is not installed: the SIMT kernels plan no copies")
+            held = [sl for sl in model.program(2, 8).slots if sl.kind == "held"]
+            assert bool(held) == copies
+    assert losses[0] == losses[1]

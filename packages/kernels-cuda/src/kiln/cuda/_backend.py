@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -135,7 +135,17 @@ class CudaBackend:
     def workspace_bytes(self, program: Program, kernels: Any) -> dict[int, int]:
         """The bytes of kernel temporaries each step of ``program`` takes (a dry run of its launch
         function, :func:`step_scratch`), plus one alignment's slack: ``compile`` places them in the arena."""
-        return {i: n + ALIGN for i, n in step_scratch(program, kernels, self.gpu).items() if n}
+        blas = getattr(self.gpu, "blas", None) is not None
+        copies = {c.weight for c in weight_copies(program, kernels)} if blas else set()
+        return {i: n + ALIGN for i, n in step_scratch(program, kernels, self.gpu, copies).items() if n}
+
+    def held_bytes(self, program: Program, kernels: Any) -> dict[str, tuple[int, int, int]]:
+        """The bf16 copies of float32 weights that ``program``'s bf16 matmuls read on cuBLASLt
+        (:func:`weight_copies`; none on the SIMT kernels, which round on load): name -> (first reader,
+        last reader, bytes), each an arena slot of kind ``held`` (``compile`` places them)."""
+        if getattr(self.gpu, "blas", None) is None:
+            return {}
+        return {c.name: (c.steps[0], c.steps[-1], c.nbytes) for c in weight_copies(program, kernels)}
 
     def reserve_workspace(self, nbytes: int) -> Workspace:
         """The device's kernel workspace, grown to at least ``nbytes`` (one allocation, shared by the
@@ -233,6 +243,16 @@ class CudaExecutable:
         #: step index -> its planned workspace in the arena
         self.planned = {int(sl.name.split(".", 1)[1]): Workspace(arena.ptr + sl.offset, sl.nbytes)
                         for sl in program.slots if sl.kind == "workspace"}
+        #: weight -> its bf16 copy (the ``held`` slot the plan gave it, :func:`weight_copies`) and the step
+        #: that makes it; empty on the SIMT kernels or for a Program planned without them
+        self.copies: dict[str, tuple[DeviceArray, int]] = {}
+        held = {sl.name: sl for sl in program.slots if sl.kind == "held"}
+        if held and getattr(self.dev, "blas", None) is not None:
+            for c in weight_copies(program, self.kernels):
+                if c.name in held:
+                    array = DeviceArray(self.dev, arena.ptr + held[c.name].offset, c.shape, "bfloat16")
+                    self.copies[c.weight] = (array, c.steps[0])
+        self._weights = {sl.name for sl in program.slots if sl.kind == "weight"}
         group: list[Step] = []  # consecutive AdamW updates of one parameter group: one launch
         step_runs: dict[int, Callable[[], None]] = {}
         waited: set[int] = set()  # steps the compute stream waits before (for host offload's copies)
@@ -268,7 +288,7 @@ class CudaExecutable:
         #: device's workspace
         self.workspace_bytes = 0
         if not self.planned:
-            self.workspace_bytes = scratch_bytes(program, self.kernels, self.dev)
+            self.workspace_bytes = scratch_bytes(program, self.kernels, self.dev, self.copies)
             backend.reserve_workspace(self.workspace_bytes)
         self.graphs: dict[tuple[str, ...], Callable[[], None]] = {}
         #: forward + backward with the Program's fusions in place of the steps they replace, run when both
@@ -432,8 +452,35 @@ class CudaExecutable:
         if self.ops.get_op(step.op.type).random and "offset" in kw:
             kernel = self._counters(step, kernel, int(kw["offset"]))
         if self.program.precision.lowers:
-            return low_precision(self.program, step, self.ops.get_op(step.op.type), kernel, ins, outs, kw)
+            made = self._read_copies(step, ins)
+            fn = low_precision(self.program, step, self.ops.get_op(step.op.type), kernel, ins, outs, kw)
+            if not made:
+                return fn
+
+            def make_then_run() -> None:
+                for w, c in made:  # the weight's bf16 copy, once per step, read by its later products too
+                    cast(w, out=[c])
+                fn()
+
+            return make_then_run
         return lambda: kernel(*ins, out=outs, **kw)
+
+    def _read_copies(self, step: Step,
+                     ins: list[DeviceArray | None]) -> list[tuple[DeviceArray, DeviceArray]]:
+        """``ins`` with each float32 weight that ``step`` reads as a bf16 matmul operand replaced by its
+        planned bf16 copy (in place); the (weight, copy) pairs ``step`` makes, as their first reader."""
+        made: list[tuple[DeviceArray, DeviceArray]] = []
+        if not self.copies:
+            return made
+        for i in copied_operands(self.program, step, self.kernels, self._weights):
+            w = step.inputs[i]
+            if w not in self.copies:
+                continue
+            copy, first = self.copies[w]
+            if first == step.index and all(c is not copy for _, c in made):
+                made.append((self.arrays[w], copy))
+            ins[i] = copy
+        return made
 
     def _in_workspace(self, fn: Callable[[], None] | None, ws: Workspace | None) -> Callable[[], None] | None:
         """``fn`` with its step's planned workspace as the device's while it runs."""
@@ -500,9 +547,13 @@ class CudaExecutable:
 
     def _next_touch(self, step: Step, key: str, *, write: bool) -> int:
         """The first step of the same phase after ``step`` that writes (``write``) or reads the arena bytes
-        of tensor ``key``; -1 (the end of the run) if none does."""
+        of tensor ``key``; -1 (the end of the run) if none does. A step that makes a weight's bf16 copy
+        (``copies``) writes its ``held`` slot."""
         t = self.program.tensors[key]
         lo, hi = t.offset, t.offset + self.arrays[key].nbytes
+        made: dict[int, list[DeviceArray]] = {}
+        for copy, first in self.copies.values() if write else ():
+            made.setdefault(first, []).append(copy)
 
         def touches(names: Sequence[str]) -> bool:
             for k in names:
@@ -519,7 +570,8 @@ class CudaExecutable:
                 continue
             names = (*later.outputs, *(later.inputs if later.how == "optimizer" else ())) if write \
                 else later.inputs
-            if touches(names):
+            if touches(names) or any(c.ptr - self.arena.ptr < hi and lo < c.ptr - self.arena.ptr + c.nbytes
+                                     for c in made.get(later.index, ())):
                 return later.index
         return -1
 
@@ -646,6 +698,65 @@ def _computes_low(program: Program, step: Step, opdef: Any) -> bool:
     return computes == "bf16" if computes else program.precision.default_class(opdef) == "lower"
 
 
+@attrs.frozen
+class WeightCopy:
+    """The bf16 copy of a float32 weight (its master copy) that the bf16 matmuls of a Program read on
+    cuBLASLt, which cannot round on load: made by the first of ``steps`` (the weight's readers, in order:
+    the forward product, a recompute replay, ``d_x`` in the backward), before its product, and read by
+    all of them; the same rounding (``cast_f32_bf16``, nearest even) as a copy per product, made once."""
+
+    weight: str
+    shape: tuple[int, ...]
+    steps: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        """Its arena slot (kind ``held``)."""
+        return f"bf16.{self.weight}"
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * int(np.prod(self.shape, dtype=np.int64))
+
+
+def copied_operands(program: Program, step: Step, kernels: Any, weights: Collection[str]) -> tuple[int, ...]:
+    """The operand positions (of a and b) of ``step`` that read a float32 weight (a tensor in one of the
+    slots ``weights``) as a bf16 operand: a ``lower`` matmul step (``BF16_OPERANDS``) run by the recipe's
+    matmul path, not a kernel of its own (``kernels`` None: a Program planned for another backend, as
+    ``kiln plan`` plans for ``numpy``, read as the ``cuda`` backend would run it)."""
+    if step.op.type not in BF16_OPERANDS:
+        return ()
+    if kernels is None:
+        if step.how not in ("out", "kernel"):
+            return ()
+    elif not step.kernel or step.how != "out" or kernels[step.kernel].fn in (*BF16_KERNELS.values(),
+                                                                              *BF16_READS):
+        return ()
+    if not _computes_low(program, step, get_registry("ops").get_op(step.op.type)):
+        return ()
+    found = []
+    for i, k in enumerate(step.inputs[:2]):
+        t = program.tensors.get(k) if k else None
+        if t is not None and t.dtype == "float32" and t.slot in weights and t.pool == "arena":
+            found.append(i)
+    return tuple(found)
+
+
+def weight_copies(program: Program, kernels: Any) -> tuple[WeightCopy, ...]:
+    """The bf16 weight copies the ``cuda`` backend plans for ``program`` on a device with cuBLASLt: one per
+    float32 weight read by a bf16-computing matmul, made once per run of its phases (a training step)
+    instead of once per product (the SIMT kernels round on load and need none)."""
+    if not program.precision.lowers:
+        return ()
+    readers: dict[str, list[int]] = {}
+    weights = {sl.name for sl in program.slots if sl.kind == "weight"}
+    for step in program.steps:
+        for i in copied_operands(program, step, kernels, weights):
+            readers.setdefault(step.inputs[i], []).append(step.index)
+    return tuple(WeightCopy(k, tuple(program.tensors[k].shape), tuple(sorted(set(v))))
+                 for k, v in readers.items())
+
+
 def low_precision(program: Program, step: Step, opdef: Any, kernel: Callable[..., Any],
                   inputs: Sequence[DeviceArray | None], outputs: Sequence[DeviceArray | None],
                   kw: Mapping[str, Any]) -> Callable[[], None]:
@@ -737,16 +848,18 @@ class _SizingDevice:
         pass
 
 
-def scratch_bytes(program: Program, kernels: Any, device: Any) -> int:
+def scratch_bytes(program: Program, kernels: Any, device: Any, copies: Collection[str] = ()) -> int:
     """The largest scratch memory any step of ``program`` takes on ``device`` (:func:`step_scratch`)."""
-    return max(step_scratch(program, kernels, device).values(), default=0)
+    return max(step_scratch(program, kernels, device, copies).values(), default=0)
 
 
-def step_scratch(program: Program, kernels: Any, device: Any) -> dict[int, int]:
+def step_scratch(program: Program, kernels: Any, device: Any, copies: Collection[str] = ()) -> dict[int, int]:
     """The scratch memory each step of ``program`` takes on ``device``, by step index: each step's kernel
-    run dry (launching nothing) on a :class:`_SizingDevice` with the Program's shapes."""
+    run dry (launching nothing) on a :class:`_SizingDevice` with the Program's shapes, the weights
+    ``copies`` read as their bf16 copies (:func:`weight_copies`, no scratch copy per product)."""
     sizing, need = _SizingDevice(device), {}
     arrays = {k: DeviceArray(sizing, 0, tuple(t.shape), t.dtype) for k, t in program.tensors.items()}
+    weights = {sl.name for sl in program.slots if sl.kind == "weight"} if copies else set()
     hyper = {"step": 1, "lr": 0.0, "scale": 1.0, "grad_norm": 0.0, "optimizer": program.optimizer}
     ops = get_registry("ops")
     for step in program.steps:
@@ -759,6 +872,9 @@ def step_scratch(program: Program, kernels: Any, device: Any) -> dict[int, int]:
             if step.how == "optimizer":
                 optimizer_step(step.op.type, fn, [a for a in ins if a is not None], hyper, dict(step.attrs))()
             elif program.precision.lowers:  # with the casts' temporaries
+                for i in copied_operands(program, step, kernels, weights) if copies else ():
+                    if step.inputs[i] in copies:  # its planned bf16 copy, no scratch
+                        ins[i] = DeviceArray(sizing, 0, arrays[step.inputs[i]].shape, "bfloat16")
                 low_precision(program, step, ops.get_op(step.op.type), fn, ins,
                               [arrays[k] if k else None for k in step.outputs], step.attrs)()
             else:

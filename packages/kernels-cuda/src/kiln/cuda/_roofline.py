@@ -163,6 +163,11 @@ class Roofline:
     model_flops: float
     tokens: int
     by_op: Mapping[str, tuple[float, int, float, float, bool]]
+    #: the bf16 copies of float32 weights the bf16 matmuls read on cuBLASLt (``kiln.cuda._backend.
+    #: weight_copies``): how many, and their bytes in the ``cuda`` backend's arena (memory kind ``held``);
+    #: their casts, like the matmuls' bf16 reads, are not priced apart (op costs count float32 bytes)
+    copies: int = 0
+    copy_bytes: int = 0
 
     @property
     def mfu(self) -> float:
@@ -174,6 +179,10 @@ class Roofline:
         for op, (secs, n, flops, nbytes, compute) in rows:
             lines.append(f"{op:<34} {n:>6} {flops / 1e9:>10.1f} {nbytes / 1e9:>8.2f} {secs * 1e3:>9.2f}  "
                          f"{'compute' if compute else 'memory'}")
+        if self.copies:
+            lines.append(f"bf16 weight copies for cuBLASLt: {self.copies} weights, "
+                         f"{self.copy_bytes / 1e6:.2f} MB in the cuda arena (memory kind 'held'), "
+                         "cast once per step")
         lines.append(f"predicted step on {self.device.name} (matmuls in {self.matmul}): "
                      f"{self.seconds * 1e3:.4g} ms, {self.tokens / self.seconds:,.0f} tokens/s, "
                      f"MFU {self.mfu:.1%} of the bf16 peak")
@@ -267,6 +276,12 @@ def roofline(program: Any, device: str = "h100", matmul: str = "fp32") -> Roofli
         row[2] += flops
         row[3] += nbytes
         row[4] += compute - memory  # which bound dominates over this op's steps
+    copies: tuple[Any, ...] = ()
+    if matmul == "bf16" and getattr(getattr(program, "precision", None), "lowers", False):
+        from kiln.cuda._backend import weight_copies
+
+        copies = weight_copies(program, None)
     b, t = (int(program.bindings[k]) for k in ("B", "T"))
     return Roofline(dev, matmul, total, model_flops, b * t,
-                    {op: (r[0], r[1], r[2], r[3], r[4] > 0) for op, r in by_op.items()})
+                    {op: (r[0], r[1], r[2], r[3], r[4] > 0) for op, r in by_op.items()},
+                    len(copies), sum(c.nbytes for c in copies))

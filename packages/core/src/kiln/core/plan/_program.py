@@ -106,6 +106,7 @@ class Slot:
 
     name: str
     #: weight | gradient | optimizer_state | input | output | buffer | saved | transient | host | workspace
+    #: | held
     kind: str
     nbytes: int
     offset: int
@@ -238,9 +239,11 @@ class Program:
         return tuple(s for s in self.steps if s.phase == name)
 
     def memory_report(self) -> dict[str, Any]:
-        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena. ``host``: the host
-        pool of offloaded activations, outside the peak."""
-        by_kind = {k: 0 for k in ("weight", "gradient", "optimizer_state", "input", "output", "saved")}
+        """Planned bytes by kind; the kinds add up to ``peak``, the size of the arena. ``held``: the
+        backend's buffers kept across steps (``Backend.held_bytes``); ``host``: the host pool of offloaded
+        activations, outside the peak."""
+        kinds = ("weight", "gradient", "optimizer_state", "input", "output", "saved", "held")
+        by_kind = {k: 0 for k in kinds}
         for s in self.slots:
             if s.kind in by_kind:
                 by_kind[s.kind] += s.nbytes
@@ -249,7 +252,8 @@ class Program:
             "weights": by_kind["weight"], "gradients": by_kind["gradient"],
             "optimizer_state": by_kind["optimizer_state"], "inputs": by_kind["input"],
             "outputs": by_kind["output"],
-            "saved_activations": by_kind["saved"], "transient": self.arena_bytes - fixed,
+            "saved_activations": by_kind["saved"], "held": by_kind["held"],
+            "transient": self.arena_bytes - fixed,
             "peak": self.arena_bytes, "host": self.host_bytes,
             "slots": [{"name": s.name, "kind": s.kind, "bytes": s.nbytes, "offset": s.offset,
                        "lifetime": (s.first, s.last), "tensors": list(s.tensors)} for s in self.slots],
@@ -268,6 +272,10 @@ class Program:
                 extra = (f"  ({100 * report[k] / plan.reference_bytes:.1f}% of {_size(plan.reference_bytes)} "
                          "without recompute)")
             rows.append(f"{k:<18} {_size(report[k]):>12}{extra}")
+        held = [sl.name for sl in self.slots if sl.kind == "held"]
+        if held:  # the backend's buffers kept across steps (kiln.cuda: bf16 copies of weights), in the peak
+            rows.insert(-2, f"{'held':<18} {_size(report['held']):>12}  ({len(held)} buffers of the backend "
+                            f"kept across steps: {', '.join(held[:3])}{', ...' if len(held) > 3 else ''})")
         n = sum(1 for sl in self.slots if sl.kind == "host")
         if n:  # a plan that offloads: the host pool it fills
             rows.append(f"{'host':<18} {_size(report['host']):>12}  (pool of {n} offloaded tensors, outside "
@@ -469,8 +477,12 @@ def compile(module_ir: Bundle | Module, *, bindings: Mapping[str, int], backend:
     # as slots live during their step alone, so the planned peak is what the backend allocates
     sizing = getattr(target.backend, "workspace_bytes", None)
     need = {int(i): int(n) for i, n in (sizing(program, target.kernels) if sizing else {}).items() if n > 0}
-    if need:
-        slots, tensors, persistent, arena = _place(s, need)
+    # and its buffers held across steps (optional ``Backend.held_bytes``): slots live from first to last
+    holding = getattr(target.backend, "held_bytes", None)
+    held = {str(k): (int(a), int(b), int(n)) for k, (a, b, n) in
+            (holding(program, target.kernels) if holding else {}).items() if n > 0}
+    if need or held:
+        slots, tensors, persistent, arena = _place(s, need, held)
         fusions = _fusions(s, tensors) if task == "train" else ()
         program = _program(s, model, target, task, mode, dtype, plan, runs, slots, tensors, persistent, arena,
                            fusions, (t0, t1, t2))
@@ -1453,10 +1465,13 @@ def _storage(s: _Scheduler) -> dict[str, str]:
     return out
 
 
-def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None
+def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None,
+           held: Mapping[str, tuple[int, int, int]] | None = None
            ) -> tuple[list[Slot], dict[str, Tensor], int, int]:
     """The arena plan; ``workspace``: step index -> bytes of the backend's temporaries in that step, each
-    placed as a slot ``workspace.<index>`` (kind ``workspace``) live during its step alone."""
+    placed as a slot ``workspace.<index>`` (kind ``workspace``) live during its step alone; ``held``: name
+    -> (first step, last step, bytes) of the backend's buffers kept across steps, each a slot of that name
+    (kind ``held``) live from its first step to its last."""
     dtypes = _storage(s)
     nbytes = {k: math.prod(shape) * ITEMSIZE[dtypes[k]] for k, (shape, _) in s.types.items()}
     steps = s.steps
@@ -1573,6 +1588,8 @@ def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None
         intervals.append((r, birth[r], end, _align(max(nbytes[m] for m in ms))))
     for i, size in (workspace or {}).items():
         intervals.append((f"workspace.{i}", 2 * i, 2 * i, _align(size)))
+    for name, (first, end, size) in (held or {}).items():
+        intervals.append((name, 2 * first, 2 * end, _align(size)))
     intervals.sort(key=lambda iv: (-iv[3], iv[1], iv[0]))
     placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, size)
     top = 0
@@ -1586,8 +1603,8 @@ def _place(s: _Scheduler, workspace: Mapping[int, int] | None = None
         placed.append((b, e, at, size))
         top = max(top, at + size)
         kind = "saved" if b // 2 <= fwd_end < e // 2 else "transient"
-        if r not in members:  # a step's workspace: no tensor of the Program lives there
-            kind = "workspace"
+        if r not in members:  # a step's workspace, or a held buffer: no tensor of the Program lives there
+            kind = "held" if held and r in held else "workspace"
         slots.append(Slot(r, kind, size, base + at, b // 2, e // 2, tuple(members.get(r, ()))))
     arena = base + top
     # the host pool: offloaded activations, each its own range (they all wait for the backward)

@@ -83,6 +83,12 @@ class Backend(Protocol):
     slot ``workspace.<index>`` (kind ``workspace``) of the arena, live during its step alone, so the
     planned peak covers them and the backend allocates nothing beside the arena.
 
+    Optional: ``held_bytes(program, kernels) -> Mapping[str, tuple[int, int, int]]``, the backend's
+    buffers kept across steps (``kiln.cuda``: a bf16 copy of each float32 weight its cuBLASLt matmuls
+    read, made once per training step): name -> (first step, last step, bytes). ``compile`` places each
+    as a slot of that name (kind ``held``) live from its first step to its last; the memory report
+    counts them as ``held``.
+
     Optional, for a backend with several devices (``cuda``): ``on_device(index) -> Backend``, the same
     backend on its device ``index`` (a KilnError naming an index it does not have), which the name
     ``name:index`` (``"cuda:1"``) looks up; and ``device_count``, how many it has.
