@@ -547,13 +547,16 @@ class CudaExecutable:
 
     def _next_touch(self, step: Step, key: str, *, write: bool) -> int:
         """The first step of the same phase after ``step`` that writes (``write``) or reads the arena bytes
-        of tensor ``key``; -1 (the end of the run) if none does. A step that makes a weight's bf16 copy
-        (``copies``) writes its ``held`` slot."""
+        of tensor ``key``; -1 (the end of the run) if none does. A step writes its planned workspace (its
+        kernels' temporaries, an arena slot that may reuse an offloaded tensor's bytes) and, where it makes
+        a weight's bf16 copy (``copies``), that copy's ``held`` slot."""
         t = self.program.tensors[key]
         lo, hi = t.offset, t.offset + self.arrays[key].nbytes
-        made: dict[int, list[DeviceArray]] = {}
+        made: dict[int, list[tuple[int, int]]] = {}  # step -> (offset, bytes) it writes beside its outputs
         for copy, first in self.copies.values() if write else ():
-            made.setdefault(first, []).append(copy)
+            made.setdefault(first, []).append((copy.ptr - self.arena.ptr, copy.nbytes))
+        for index, ws in self.planned.items() if write else ():
+            made.setdefault(index, []).append((ws.base - self.arena.ptr, ws.nbytes))
 
         def touches(names: Sequence[str]) -> bool:
             for k in names:
@@ -570,8 +573,7 @@ class CudaExecutable:
                 continue
             names = (*later.outputs, *(later.inputs if later.how == "optimizer" else ())) if write \
                 else later.inputs
-            if touches(names) or any(c.ptr - self.arena.ptr < hi and lo < c.ptr - self.arena.ptr + c.nbytes
-                                     for c in made.get(later.index, ())):
+            if touches(names) or any(at < hi and lo < at + n for at, n in made.get(later.index, ())):
                 return later.index
         return -1
 
