@@ -346,3 +346,53 @@ def test_weight_copies_on_a_gpu_give_the_bits_of_a_copy_per_product(monkeypatch:
             held = [sl for sl in model.program(2, 8).slots if sl.kind == "held"]
             assert bool(held) == copies
     assert losses[0] == losses[1]
+
+
+def test_cublaslt_is_told_each_operands_alignment() -> None:
+    """cuBLASLt's heuristic assumes 256-byte aligned operands unless told less, and an algorithm chosen so
+    may not run on kiln's 64-byte aligned arena slots: ``Blas`` sets A's, B's, C's and D's alignment
+    (``MIN_ALIGNMENT_*_BYTES``) from the pointers, one heuristic per plan and alignments (cuBLASLt's
+    calls recorded by a stand-in for nvmath's bindings; the real ones need a GPU)."""
+    import ctypes
+    import enum
+    import types
+
+    from kiln.cuda._blas import Blas, alignment, gemm_plan
+
+    class Pref(enum.IntEnum):
+        MAX_WORKSPACE_BYTES, MIN_ALIGNMENT_A_BYTES, MIN_ALIGNMENT_B_BYTES = 0, 1, 2
+        MIN_ALIGNMENT_C_BYTES, MIN_ALIGNMENT_D_BYTES = 3, 4
+
+    prefs: list[dict[str, int]] = []
+
+    def set_pref(pref: int, attr: int, address: int, size: int) -> None:
+        prefs[pref - 1][Pref(attr).name] = (ctypes.c_uint32 if size == 4 else ctypes.c_uint64).from_address(
+            address).value
+
+    def create_pref() -> int:
+        prefs.append({})
+        return len(prefs)
+
+    def heuristic(*args: Any) -> None:
+        ctypes.c_int32.from_address(args[-1]).value = 1  # one algorithm found
+
+    runs: list[tuple[Any, ...]] = []
+    lt = types.SimpleNamespace(
+        MatmulPreferenceAttribute=Pref, MatmulDescAttribute=types.SimpleNamespace(TRANSA=0, TRANSB=1),
+        MatrixLayoutAttribute=types.SimpleNamespace(BATCH_COUNT=0, STRIDED_BATCH_OFFSET=1),
+        matmul_desc_create=lambda *a: 1, matmul_desc_set_attribute=lambda *a: None,
+        matrix_layout_create=lambda *a: 1, matrix_layout_set_attribute=lambda *a: None,
+        matmul_preference_create=create_pref, matmul_preference_set_attribute=set_pref,
+        MatmulHeuristicResult=lambda n: types.SimpleNamespace(ptr=1), matmul_algo_get_heuristic=heuristic,
+        matmul=lambda *a: runs.append(a))
+    blas = object.__new__(Blas)  # without nvmath's handle and workspace
+    blas.lt, blas.device, blas.handle, blas.workspace, blas._plans = lt, types.SimpleNamespace(), 1, 0, {}
+    plan = gemm_plan((4, 8), (8, 6), (4, 6), ("bfloat16", "bfloat16", "float32"))
+    base = 1 << 30
+    blas.gemm(plan, base + 64, base + 512, 0, base + 96)  # no C: D's alignment stands for it
+    assert prefs == [{"MAX_WORKSPACE_BYTES": _blas.WORKSPACE_BYTES, "MIN_ALIGNMENT_A_BYTES": 64,
+                      "MIN_ALIGNMENT_B_BYTES": 256, "MIN_ALIGNMENT_C_BYTES": 32, "MIN_ALIGNMENT_D_BYTES": 32}]
+    blas.gemm(plan, base + 192, base + 768, 0, base + 224)  # the same alignments: the same algorithm
+    blas.gemm(plan, base, base, 0, base)
+    assert len(prefs) == 2 and prefs[1]["MIN_ALIGNMENT_A_BYTES"] == 256 and len(runs) == 3
+    assert [alignment(p) for p in (0, 2, 48, 4096)] == [256, 2, 16, 256]

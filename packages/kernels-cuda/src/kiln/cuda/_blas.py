@@ -27,6 +27,15 @@ CUDA_TYPES = {"float32": 0, "bfloat16": 14}
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
 #: workspace cuBLASLt may use per call (its recommendation for Hopper)
 WORKSPACE_BYTES = 32 << 20
+#: the pointer alignment cuBLASLt's heuristic assumes of A, B, C and D unless told less
+MAX_ALIGNMENT = 256
+
+
+def alignment(ptr: int) -> int:
+    """The alignment in bytes of a device pointer that cuBLASLt is told (the largest power of two
+    dividing it, at most :data:`MAX_ALIGNMENT`): kiln's arena slots and their views are 64-byte aligned
+    or less, and an algorithm chosen for 256-byte operands may not run on them."""
+    return MAX_ALIGNMENT if ptr == 0 else min(MAX_ALIGNMENT, ptr & -ptr)
 
 
 @attrs.frozen
@@ -102,10 +111,12 @@ class Blas:
         self.lt, self.device = cublasLt, device
         self.handle = cublasLt.create()
         self.workspace = device.alloc(WORKSPACE_BYTES)
-        self._plans: dict[GemmPlan, tuple[Any, ...]] = {}
+        self._plans: dict[tuple[GemmPlan, tuple[int, ...]], tuple[Any, ...]] = {}
 
-    def _descriptors(self, plan: GemmPlan) -> tuple[Any, ...]:
-        found = self._plans.get(plan)
+    def _descriptors(self, plan: GemmPlan, aligned: tuple[int, int, int, int]) -> tuple[Any, ...]:
+        """The descriptors and heuristic algorithm of ``plan`` for operands A, B, C, D with the byte
+        alignments ``aligned`` (:func:`alignment`), made once per pair."""
+        found = self._plans.get((plan, aligned))
         if found is not None:
             return found
         lt = self.lt
@@ -132,6 +143,12 @@ class Blas:
         size = ctypes.c_uint64(WORKSPACE_BYTES)
         lt.matmul_preference_set_attribute(pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
                                            ctypes.addressof(size), 8)
+        pa = lt.MatmulPreferenceAttribute
+        mins = (pa.MIN_ALIGNMENT_A_BYTES, pa.MIN_ALIGNMENT_B_BYTES, pa.MIN_ALIGNMENT_C_BYTES,
+                pa.MIN_ALIGNMENT_D_BYTES)
+        for attr, value in zip(mins, aligned, strict=True):
+            bytes_ = ctypes.c_uint32(value)
+            lt.matmul_preference_set_attribute(pref, attr, ctypes.addressof(bytes_), 4)
         results, count = lt.MatmulHeuristicResult(1), ctypes.c_int32(0)
         a, b, c = layouts
         lt.matmul_algo_get_heuristic(self.handle, desc, a, b, c, c, pref, 1, results.ptr,
@@ -139,12 +156,14 @@ class Blas:
         if count.value < 1:
             raise KilnError(f"cuBLASLt has no algorithm for {plan}")
         found = (desc, a, b, c, results)
-        self._plans[plan] = found
+        self._plans[(plan, aligned)] = found
         return found
 
     def gemm(self, plan: GemmPlan, a: int, b: int, c: int, d: int) -> None:
-        """Runs ``plan`` on device pointers (cuBLASLt's A, B, C, D) on the default stream."""
-        desc, la, lb, lc, algo = self._descriptors(plan)
+        """Runs ``plan`` on device pointers (cuBLASLt's A, B, C, D) on the default stream, with an
+        algorithm chosen for their alignments."""
+        aligned = (alignment(a), alignment(b), alignment(c or d), alignment(d))
+        desc, la, lb, lc, algo = self._descriptors(plan, aligned)
         alpha, beta = np.array([plan.alpha], np.float32), np.array([plan.beta], np.float32)
         # the heuristic result begins with its cublasLtMatmulAlgo_t: its address is the algorithm's
         self.lt.matmul(self.handle, desc, alpha.ctypes.data, a, la, b, lb, beta.ctypes.data, c or d, lc, d,
