@@ -188,16 +188,11 @@ def _tensors(seed: int) -> list[np.ndarray]:
 
 
 def _on_device(dev: EmulatedDevice, arrays: list[np.ndarray]) -> list[DeviceArray]:
-    out = []
-    for a in arrays:
-        ptr = dev.alloc(a.nbytes)
-        dev.copy_to_device(ptr, a)
-        out.append(DeviceArray(dev, ptr, a.shape, str(a.dtype)))
-    return out
+    return [DeviceArray.upload(dev, a) for a in arrays]
 
 
 def _read(dev: EmulatedDevice, arrays: list[DeviceArray]) -> list[np.ndarray]:
-    return [dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape) for a in arrays]
+    return [a.download() for a in arrays]
 
 
 CASES = [(cuda_bucket_all_reduce, bucket_all_reduce, {}),
@@ -236,14 +231,9 @@ def test_a_bucket_of_bf16_gradients_goes_through_host_copies() -> None:
         comm = Pair(0, device_buffers=True)
         get_registry("communicators").register("pair", comm)
         host = [a.astype(ml_dtypes.bfloat16) for a in _tensors(0)]
-        dev = EmulatedDevice()
-        arrays = []
-        for a in host:
-            ptr = dev.alloc(a.nbytes)
-            dev.copy_to_device(ptr, a)
-            arrays.append(DeviceArray(dev, ptr, a.shape, "bfloat16"))
+        arrays = _on_device(EmulatedDevice(), host)
         cuda_bucket_all_reduce(*arrays, communicator="pair")
-        got = [dev.copy_to_host(a.ptr, a.nbytes).view(ml_dtypes.bfloat16).reshape(a.shape) for a in arrays]
+        got = [a.download() for a in arrays]
         for g, h in zip(got, host, strict=True):
             np.testing.assert_array_equal(g.astype(np.float32), 4 * h.astype(np.float32))
         assert set(comm.got) == {np.ndarray}

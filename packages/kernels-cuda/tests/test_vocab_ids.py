@@ -51,7 +51,7 @@ def _run(dev: Any, ids: np.ndarray, rank: int, **kw: Any) -> list[np.ndarray]:
     outs = [DeviceArray.upload(dev, np.full(ids.shape, 77, np.int32)) for _ in range(3)]
     vocab_local_ids(a, out=outs, rank=rank, rows=ROWS, size=VOCAB, **kw)
     dev.synchronize()
-    return [dev.copy_to_host(o.ptr, o.nbytes).view(np.int32).reshape(ids.shape) for o in outs]
+    return [o.download().reshape(ids.shape) for o in outs]
 
 
 @pytest.mark.parametrize("ignore", [IGNORE, None])
@@ -74,7 +74,7 @@ def test_outputs_may_be_left_out(device: Reads) -> None:
     a = DeviceArray.upload(device, ids)
     owner = DeviceArray.upload(device, np.zeros(5, np.int32))
     vocab_local_ids(a, out=(None, None, owner), rank=1, rows=ROWS, size=VOCAB, fill=0, ignore_index=IGNORE)
-    got = device.copy_to_host(owner.ptr, owner.nbytes).view(np.int32)
+    got = owner.download().ravel()
     np.testing.assert_array_equal(got, [0, 2, 1, -1, 1])
 
 
@@ -98,7 +98,7 @@ def test_an_id_outside_the_vocabulary_is_raised_after_the_launch(device: Reads, 
     assert e.value.op == "vocab_parallel_embedding"
     check_id_errors(device)  # reported once: the slot is reset
     # the bad id matches no row: never an index past the rows
-    assert (device.copy_to_host(rel.ptr, rel.nbytes).view(np.int32) < ROWS).all()
+    assert (rel.download() < ROWS).all()
 
 
 def test_the_error_names_the_op_that_found_it(device: Reads) -> None:

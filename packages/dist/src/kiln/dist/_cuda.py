@@ -99,19 +99,11 @@ def on_device(comm: Any, arrays: Sequence[Any]) -> bool:
     return bool(getattr(comm, "device_buffers", False)) and all(a.dtype in DEVICE_DTYPES for a in arrays)
 
 
-def _np_dtype(dtype: str) -> np.dtype[Any]:
-    if dtype == "bfloat16":
-        from kiln.core.plan import require_ml_dtypes
-
-        return np.dtype(require_ml_dtypes().bfloat16)
-    return np.dtype(dtype)
-
-
 def _host(reference: Callable[..., None], arrays: Sequence[Any], attrs: dict[str, Any]) -> None:
     """``reference`` (in place) on host copies of the device ``arrays``, written back."""
     dev = arrays[0].device
     dev.synchronize()
-    hosts = [dev.copy_to_host(a.ptr, a.nbytes).view(_np_dtype(a.dtype)).reshape(a.shape) for a in arrays]
+    hosts = [a.download() for a in arrays]
     reference(*hosts, **attrs)
     for a, h in zip(arrays, hosts, strict=True):
         dev.copy_to_device(a.ptr, np.ascontiguousarray(h))
@@ -493,17 +485,18 @@ def _host_op(reference: Callable[..., Any], ins: Sequence[Any], outs: Sequence[A
              attrs: dict[str, Any]) -> None:
     """The op's NumPy reference on host copies of ``ins``, its results written to ``outs`` (the host
     path, for a communicator that takes host arrays)."""
+    from kiln.cuda import np_dtype
+
     present = [a for a in (*ins, *outs) if a is not None]
     if _dry(present):
         return
     dev = present[0].device
     dev.synchronize()
-    hosts = [None if a is None else
-             dev.copy_to_host(a.ptr, a.nbytes).view(_np_dtype(a.dtype)).reshape(a.shape) for a in ins]
+    hosts = [None if a is None else a.download() for a in ins]
     got = reference(*hosts, **attrs)
     for o, h in zip(outs, got if isinstance(got, tuple) else (got,), strict=True):
         if o is not None:
-            dev.copy_to_device(o.ptr, np.ascontiguousarray(np.asarray(h, _np_dtype(o.dtype))))
+            dev.copy_to_device(o.ptr, np.ascontiguousarray(np.asarray(h, np_dtype(o.dtype))))
 
 
 def cuda_tp_copy(x: Any, *, out: Sequence[Any], communicator: str) -> None:

@@ -17,6 +17,7 @@ from kiln.cuda._ops import (
     fused_lm_head_loss_backward,
     matmul,
     norm_into,
+    np_dtype,
     strided_copy,
     vocab_local_ids,
 )
@@ -24,8 +25,9 @@ from kiln.cuda._plugin import cuda_available, unavailable_reason
 
 __version__ = version("kiln-kernels-cuda")
 
-#: ``DeviceArray`` (a tensor's view of device memory), ``Scratch`` (a step's workspace, as its launch
-#: functions take temporaries), ``norm_into`` (sums of squares into a device scalar) and ``THREADS`` (the
+#: ``DeviceArray`` (a tensor's view of device memory; ``upload``/``download`` copy host arrays to and from
+#: it, ``np_dtype`` maps its dtype to NumPy's), ``Scratch`` (a step's workspace, as its launch functions
+#: take temporaries), ``norm_into`` (sums of squares into a device scalar) and ``THREADS`` (the
 #: block size of the elementwise kernels): what other packages' kernels for ``cuda`` build on (kiln-dist's);
 #: and the launch functions those compose (``matmul``, ``embedding``/``embedding_backward``,
 #: ``cross_entropy``, ``fused_lm_head_loss``/``_backward``, ``strided_copy``: the kernel table's ``out=``
@@ -34,4 +36,4 @@ __version__ = version("kiln-kernels-cuda")
 __all__ = ["THREADS", "CudaBackend", "DeviceArray", "EmulatedCuda", "EmulatedDevice", "Scratch",
            "__version__", "check_id_errors", "compile_cubin", "cross_entropy", "cuda_available", "embedding",
            "embedding_backward", "fused_lm_head_loss", "fused_lm_head_loss_backward", "matmul", "norm_into",
-           "strided_copy", "unavailable_reason", "vocab_local_ids"]
+           "np_dtype", "strided_copy", "unavailable_reason", "vocab_local_ids"]

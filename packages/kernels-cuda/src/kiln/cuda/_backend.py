@@ -38,20 +38,12 @@ from kiln.cuda._ops import (
     check_id_errors,
     grad_norm,
     grad_norm_on_device,
+    np_dtype,
     round_bf16,
     step_scalars,
 )
 
 FLOATS = ("float32", "bfloat16")
-
-
-def np_dtype(dtype: str) -> np.dtype[Any]:
-    """The NumPy dtype of a Program tensor's dtype (``bfloat16`` through ml_dtypes)."""
-    if dtype == "bfloat16":
-        from kiln.core.plan import require_ml_dtypes
-
-        return np.dtype(require_ml_dtypes().bfloat16)
-    return np.dtype(dtype)
 
 
 @attrs.frozen(eq=False)
@@ -363,7 +355,7 @@ class CudaExecutable:
             raw = np.empty(a.nbytes, np.uint8)
             ctypes.memmove(raw.ctypes.data, a.ptr, a.nbytes)
             return raw.view(np_dtype(a.dtype)).reshape(a.shape)
-        return self.dev.copy_to_host(a.ptr, a.nbytes).view(np_dtype(a.dtype)).reshape(a.shape)
+        return a.download()
 
     def write(self, name: str, value: Any) -> None:
         a = self.arrays[name]
@@ -599,7 +591,7 @@ class CudaExecutable:
             return self._host_low_precision(step, opdef, ins, outs, kw, where)
 
         def host(a: DeviceArray | None) -> np.ndarray | None:
-            return None if a is None else dev.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
+            return None if a is None else a.download()
 
         def run() -> None:
             dev.synchronize()
@@ -647,7 +639,7 @@ class CudaExecutable:
         def host(a: DeviceArray | None, rnd: bool) -> np.ndarray | None:
             if a is None:
                 return None
-            x = dev.copy_to_host(a.ptr, a.nbytes).view(np_dtype(a.dtype)).reshape(a.shape)
+            x = a.download()
             if a.dtype not in FLOATS:
                 return x
             return (x.astype(low) if rnd else x).astype(np.float32)

@@ -913,7 +913,7 @@ def _to_host(a: DeviceArray) -> np.ndarray:
     if a.dtype == "bfloat16":  # widen the 16 bits to float32 exactly
         bits = a.device.copy_to_host(a.ptr, a.nbytes).view(np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32).reshape(a.shape)
-    return a.device.copy_to_host(a.ptr, a.nbytes).view(a.dtype).reshape(a.shape)
+    return a.download()
 
 
 def _run_bf16(case: Case, device: Any, inputs: tuple[Any, ...], given: dict[str, Any]) -> float:

@@ -44,6 +44,11 @@ class DeviceArray:
         device.copy_to_device(ptr, a)
         return cls(device, ptr, a.shape, str(a.dtype))
 
+    def download(self) -> np.ndarray:
+        """A host copy of its contents, of its dtype (:func:`np_dtype`: ml_dtypes' bfloat16 for bf16):
+        what :meth:`upload` put there, once the device's work on it is done (synchronise first)."""
+        return self.device.copy_to_host(self.ptr, self.nbytes).view(np_dtype(self.dtype)).reshape(self.shape)
+
     def reshape(self, shape: Sequence[int]) -> DeviceArray:
         """The same memory with another shape of as many elements."""
         if math.prod(shape) != self.size:
@@ -57,6 +62,15 @@ class DeviceArray:
     @property
     def nbytes(self) -> int:
         return self.size * itemsize(self.dtype)
+
+
+def np_dtype(dtype: str) -> np.dtype[Any]:
+    """The NumPy dtype of a Program tensor's dtype (``bfloat16`` through ml_dtypes)."""
+    if dtype == "bfloat16":
+        from kiln.core.plan import require_ml_dtypes
+
+        return np.dtype(require_ml_dtypes().bfloat16)
+    return np.dtype(dtype)
 
 
 def itemsize(dtype: str) -> int:
@@ -2125,7 +2139,7 @@ def _expert_rows(offsets: DeviceArray) -> list[tuple[int, int]]:
     """Each expert's rows [r0, r1), read from the device (a synchronisation: the cuBLASLt path needs the
     row counts on the host to size its GEMMs)."""
     offsets.device.synchronize()
-    host = offsets.device.copy_to_host(offsets.ptr, offsets.nbytes).view(np.int32)
+    host = offsets.download().ravel()
     return [(int(a), int(b)) for a, b in itertools.pairwise(host)]
 
 
