@@ -782,15 +782,9 @@ def _fused_head_cases() -> Iterator[Case]:
 
     def launch(fn: Callable[..., None], plan: tuple[int, int] | None = None) -> Callable[..., None]:
         """``fn`` on the case's outputs; with ``plan``, in blocks of ``plan[0]`` rows and vocabulary chunks
-        of ``plan[1]`` words, whatever the roofline would pick (its plan replaced for the call)."""
+        of ``plan[1]`` words, whatever the roofline would pick."""
         def run(d_loss: Any, x: Any, w: Any, t: Any, *, out: Any, **a: Any) -> None:
-            picked = _ops._head_plan
-            if plan is not None:
-                _ops._head_plan = lambda n, v, c, matmul: plan
-            try:
-                fn(d_loss, x, w, t, loss=out[0], lse=out[1], d_x=out[2], d_weight=out[3], **a)
-            finally:
-                _ops._head_plan = picked
+            fn(d_loss, x, w, t, loss=out[0], lse=out[1], d_x=out[2], d_weight=out[3], plan=plan, **a)
 
         return run
 

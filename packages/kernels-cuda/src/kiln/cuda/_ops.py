@@ -824,19 +824,22 @@ def _fused_attrs(unsupported: Mapping[str, Any]) -> None:
 def fused_lm_head_loss_and_grad(d_loss: DeviceArray | None, x: DeviceArray, weight: DeviceArray,
                                 targets: DeviceArray, *, loss: DeviceArray | None, lse: DeviceArray | None,
                                 d_x: DeviceArray | None, d_weight: DeviceArray | None,
-                                ignore_index: int = -100, **unsupported: Any) -> None:
+                                ignore_index: int = -100, plan: tuple[int, int] | None = None,
+                                **unsupported: Any) -> None:
     """``fused_lm_head_loss`` and its backward for ``d_loss`` in one pass (the Program's fusion
     ``fused_lm_head_loss_and_grad``, NumPy's ``fused_lm_head_loss_and_grad``): per tile of rows, the logits
     ``z = x w^T`` (matmul kernel, into the one tile buffer), then one kernel per row takes their maximum,
     log-sum-exp and loss and turns them in place into their gradient ``(softmax - onehot) * d_loss``, then
     ``d_x = g w`` and ``d_weight += g^T x`` (matmul kernels, tiles in order). One product over the logits
-    fewer than the forward and backward steps, one tile of logits held, and the same bits as those steps."""
+    fewer than the forward and backward steps, one tile of logits held, and the same bits as those steps.
+    ``plan``: (rows, vocabulary chunk) of the tiles, else the roofline's pick (``kiln cuda check`` forces
+    the vocabulary-tiled pass with it)."""
     _fused_attrs(unsupported)
     _f32(d_loss, x, weight, loss, lse, d_x, d_weight)
     _i32(targets, "targets")
     n, v = x.shape[0], weight.shape[0]
     dev = x.device
-    rows, chunk = _head_plan(n, v, x.shape[1], "fp32")
+    rows, chunk = plan or _head_plan(n, v, x.shape[1], "fp32")
     with Scratch(dev) as s:
         loss_, lse_ = s.out(loss, (n,)), s.out(lse, (n,))
         if n and chunk < v:
@@ -1740,7 +1743,7 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
                                      targets: DeviceArray, *, loss: DeviceArray | None,
                                      lse: DeviceArray | None, d_x: DeviceArray | None,
                                      d_weight: DeviceArray | None, ignore_index: int = -100,
-                                     **unsupported: Any) -> None:
+                                     plan: tuple[int, int] | None = None, **unsupported: Any) -> None:
     """:func:`fused_lm_head_loss_and_grad` under the bf16 recipe, rounding where
     :func:`fused_lm_head_loss_bf16` and its backward round (so their bits): x and the weight as bf16; per
     tile, the logits of their product (fp32 accumulate) read rounded to bf16 by one kernel per row that
@@ -1758,7 +1761,7 @@ def fused_lm_head_loss_and_grad_bf16(d_loss: DeviceArray | None, x: DeviceArray,
         ys, store = _bf16_outputs(s, (loss, lse, d_x, d_weight), ("float32",) * 4)
         loss_, lse_, dx, dw = s.out(ys[0], (n,)), s.out(ys[1], (n,)), ys[2], ys[3]
         tensor_cores = getattr(dev, "blas", None) is not None  # cuBLASLt's bf16 GEMM; the SIMT kernel: not
-        rows, chunk = _head_plan(n, v, x.shape[1], "bf16" if tensor_cores else "fp32")
+        rows, chunk = plan or _head_plan(n, v, x.shape[1], "bf16" if tensor_cores else "fp32")
         if n and chunk < v:
             _vocab_tiled_pass(dl, xb, wb, targets, loss_, lse_, dx, dw, rows, chunk, ignore_index, bf16=True)
             if dx is not None:
