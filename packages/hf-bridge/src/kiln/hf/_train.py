@@ -1563,13 +1563,9 @@ def _stop_the_other_ranks(error: Exception) -> None:
     this one in their next collective until the timeout (``KILN_DIST_TIMEOUT``, 5 minutes)."""
     try:
         from kiln.dist import launched, stop_job
-
-        if not launched():
-            return
-        from mpi4py import MPI
     except ImportError:
         return
-    if MPI.COMM_WORLD.Get_size() == 1:
+    if not launched() or get_registry("communicators")["mpi"].world_size == 1:  # kiln-dist's MPI world
         return
     if isinstance(error, KilnError):
         stop_job(f"kiln: error: {error}", int(getattr(error, "exit_code", 2)))
